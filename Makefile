@@ -1,0 +1,30 @@
+# Two commands do all setup: `make demo` and `make test`. Each creates .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test check bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PIP) install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/remat demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+check: $(STAMP)
+	$(VENV)/bin/remat check rules/
+
+bench: $(STAMP)
+	$(PY) bench/match_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

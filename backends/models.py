@@ -1,0 +1,103 @@
+"""Small torch models for the demo, the benchmarks and the tests.
+
+`GPT` is DESIGN.md's GPT-like model: token and position embeddings, pre-norm
+blocks with causal self-attention (written out, so the softmax is an op the
+rules can see) and a GELU MLP, a final layer norm, and a linear head into
+cross-entropy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 4096
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq: int = 512
+    batch: int = 8
+
+
+DEMO_CONFIG = GPTConfig(vocab=1024, d_model=128, layers=2, heads=4, seq=128, batch=4)
+DESIGN_CONFIG = GPTConfig()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q = q.view(b, t, h, d // h).transpose(1, 2)
+        k = k.view(b, t, h, d // h).transpose(1, 2)
+        v = v.view(b, t, h, d // h).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // h) ** 0.5)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        shape = (self.cfg.batch, self.cfg.seq)
+        return (torch.randint(0, self.cfg.vocab, shape, generator=g),
+                torch.randint(0, self.cfg.vocab, shape, generator=g))
+
+
+class MLP(nn.Module):
+    """A stack of linear layers with a chosen activation, ending in a mean-squared loss."""
+
+    ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+                   "silu": F.silu}
+
+    def __init__(self, widths: list[int], activation: str = "gelu"):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.activation = self.ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = self.activation(x)
+        return F.mse_loss(x, target)
+
+
+def gpt(cfg: GPTConfig = DEMO_CONFIG, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)

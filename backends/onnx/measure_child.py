@@ -1,0 +1,43 @@
+"""The measuring process of runtime.measure: `python -m backends.onnx.measure_child MODEL FEEDS N THREADS`."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def main(model_path: str, feeds_path: str, repeats: int, threads: int) -> None:
+    from backends.onnx.runtime import make_session
+
+    session = make_session(model_path, threads=threads, arena=False)
+    wanted = {i.name for i in session.get_inputs()}
+    with np.load(feeds_path) as data:
+        feeds = {k: data[k] for k in data.files if k in wanted}
+    session.run(None, feeds)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rest = _status_kib("VmRSS")
+    session.run(None, feeds)
+    peak = _status_kib("VmHWM")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"peak_above_rest": (peak - rest) * 1024, "rest": rest * 1024,
+                      "seconds": statistics.median(times), "provider": session.get_providers()[0]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,109 @@
+"""Run ONNX models with ONNX Runtime, and measure a run's peak memory and time.
+
+Peak memory is measured, not estimated (DESIGN.md): the run happens in its own
+process with MALLOC_MMAP_THRESHOLD_=65536 (so freed buffers go back to the OS),
+`5` is written to /proc/self/clear_refs after a warm-up run, and VmHWM is read
+after the measured run. The session is the default one (all graph
+optimizations, CSE included) with only the CPU arena turned off, because an
+arena keeps its high-water mark and would hide what the graph itself needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from engine.errors import RematError
+
+
+def providers() -> list[str]:
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: bool = True,
+                 disable_cse: bool = False) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.enable_cpu_mem_arena = arena
+    options.log_severity_level = 3
+    if disable_cse:
+        options.add_session_config_entry("optimization.disable_specified_optimizers",
+                                         "CommonSubexpressionElimination")
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    try:
+        return ort.InferenceSession(source, options, providers=providers())
+    except Exception as exc:
+        raise RematError(f"ONNX Runtime could not load the model: {exc}") from None
+
+
+def run(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
+        threads: int = 1) -> dict[str, np.ndarray]:
+    """Outputs by name. One thread by default: ONNX Runtime's scatter-add (embedding
+    gradients) sums in a different order run to run with two threads."""
+    session = make_session(model, threads=threads)
+    names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
+    missing = wanted - set(feeds)
+    if missing:
+        raise RematError(f"no data for model input(s): {', '.join(sorted(missing))}")
+    try:
+        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    except Exception as exc:
+        raise RematError(f"ONNX Runtime failed to run the model: {exc}") from None
+    return dict(zip(names, results))
+
+
+def max_relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, str]:
+    """Largest |a-b| / max|b| over the outputs both have, and which output it was."""
+    worst, where = 0.0, ""
+    for name in a.keys() & b.keys():
+        x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
+        err = float(np.abs(x - y).max() / max(float(np.abs(y).max()), 1e-12)) if y.size else 0.0
+        if err >= worst:
+            worst, where = err, name
+    return worst, where
+
+
+@dataclass
+class Measurement:
+    peak_above_rest: int    # bytes
+    rest: int               # bytes, resident after warm-up
+    seconds: float          # median step time
+    provider: str
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_above_rest / 2**20
+
+
+def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
+            repeats: int = 3, threads: int = 1) -> Measurement:
+    """Peak memory above rest and step time of one run, in a fresh process."""
+    with tempfile.TemporaryDirectory(prefix="remat-measure-") as tmp:
+        model_path = Path(tmp) / "model.onnx"
+        if isinstance(model, onnx.ModelProto):
+            onnx.save(model, str(model_path))
+        else:
+            model_path = Path(model)
+        feeds_path = Path(tmp) / "feeds.npz"
+        np.savez(feeds_path, **feeds)
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        proc = subprocess.run(
+            [sys.executable, "-m", "backends.onnx.measure_child", str(model_path), str(feeds_path),
+             str(repeats), str(threads)],
+            env=env, capture_output=True, text=True,
+            cwd=str(Path(__file__).resolve().parents[2]))
+    if proc.returncode != 0:
+        raise RematError(f"measurement process failed:\n{proc.stderr.strip()[-2000:]}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Measurement(**data)

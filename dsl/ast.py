@@ -1,0 +1,149 @@
+"""The rule language's AST. Every node keeps its SourceLocation (file:line:col)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import SourceLocation
+
+
+@dataclass
+class OpRef:
+    name: str
+    loc: SourceLocation
+
+
+@dataclass
+class Use:
+    module: str
+    loc: SourceLocation
+
+
+@dataclass
+class FamilyDecl:
+    name: str
+    ops: list[OpRef]
+    loc: SourceLocation
+
+
+@dataclass
+class OpDecl:
+    """`op`, `recomputable`, `view` or `nondeterministic` followed by ops."""
+
+    kind: str
+    ops: list[OpRef]
+    loc: SourceLocation
+    tier: str | None = None
+
+
+@dataclass
+class Target:
+    name: str | None           # None for `_`
+    loc: SourceLocation
+
+
+@dataclass
+class AttrValue:
+    kind: str                  # number | string | name | list
+    value: Any
+    loc: SourceLocation
+
+
+@dataclass
+class Arg:
+    kind: str                  # capture | wildcard | variadic | attr | nested
+    loc: SourceLocation
+    name: str | None = None
+    value: "AttrValue | NodePat | None" = None
+
+
+@dataclass
+class NodePat:
+    ops: list[OpRef]
+    args: list[Arg]
+    commutative: bool
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
+class Binding:
+    targets: list[Target]
+    pattern: NodePat
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
+class Dim:
+    kind: str                  # int | name | any | rest
+    value: int | str | None
+    loc: SourceLocation
+
+
+@dataclass
+class TypeAnnot:
+    name: str
+    dtypes: list[tuple[str, SourceLocation]]
+    dims: list[Dim] | None
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
+class Expr:
+    kind: str                  # number | string | name | call | binop | not | neg
+    loc: SourceLocation
+    value: Any = None          # number, string, name, operator or function name
+    args: list["Expr"] = field(default_factory=list)
+    unit: tuple[str, SourceLocation] | None = None
+    text: str = ""
+
+
+@dataclass
+class Require:
+    expr: Expr
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
+class RecomputeAction:
+    target: tuple[str, SourceLocation]
+    sources: list[tuple[str, SourceLocation]]
+    loc: SourceLocation
+
+
+@dataclass
+class SaveAction:
+    names: list[tuple[str, SourceLocation]]
+    loc: SourceLocation
+
+
+@dataclass
+class ChunkAction:
+    names: list[tuple[str, SourceLocation]]
+    dim: int
+    count: Expr
+    loc: SourceLocation
+
+
+@dataclass
+class RuleDecl:
+    name: str
+    loc: SourceLocation
+    priority: int = 0
+    tier: str | None = None
+    bindings: list[Binding] = field(default_factory=list)
+    types: list[TypeAnnot] = field(default_factory=list)
+    requires: list[Require] = field(default_factory=list)
+    actions: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class RuleFile:
+    path: str
+    uses: list[Use] = field(default_factory=list)
+    families: list[FamilyDecl] = field(default_factory=list)
+    op_decls: list[OpDecl] = field(default_factory=list)
+    rules: list[RuleDecl] = field(default_factory=list)

@@ -1,0 +1,115 @@
+"""`engine.apply(graph, rules, config=None)`: plan, select, rewrite, verify."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .analysis import Analysis, analyze, estimate_peak
+from .errors import RuleError
+from .ir import Graph
+from .matcher import Match, MatchContext, Reason, match
+from .patterns import RuleSet
+from .plans import ConfigEntry, Plan, parse_config, select
+from .strategies.recompute import Region, Rewriter, StashState, grow
+
+
+@dataclass
+class Refusal:
+    match: Match
+    reason: Reason
+
+
+@dataclass
+class Planning:
+    """Every plan the rules offer on a graph, and the matches that could not become one."""
+
+    graph: Graph
+    rules: RuleSet
+    analysis: Analysis
+    plans: list[Plan]
+    refusals: list[Refusal] = field(default_factory=list)
+    tiers: tuple[str, ...] = ()
+
+
+def _ordered(matches: list[Match], analysis: Analysis) -> list[Match]:
+    return sorted(matches, key=lambda m: (-m.rule.priority, m.rule.order, analysis.position[id(m.root)]))
+
+
+def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
+         forward_outputs: list[str] | None = None) -> Planning:
+    tiers = tuple(tiers)
+    unknown = set(tiers) - rules.tiers()
+    if unknown:
+        raise RuleError(f"unknown tier(s) {', '.join(sorted(unknown))}; the rules define: "
+                        f"{', '.join(sorted(rules.tiers()))}")
+    enabled = rules.enabled(tiers)
+    analysis = analyze(graph, forward_outputs or graph.meta.get("forward_outputs"))
+    ctx = MatchContext(graph, enabled, analysis)
+    state = StashState.of(analysis)
+    plans: dict[tuple[str, int], Plan] = {}
+    refusals = []
+    for m in _ordered(match(graph, enabled, context=ctx), analysis):
+        region = grow(m, ctx, state)
+        if isinstance(region, Reason):
+            refusals.append(Refusal(m, region))
+            continue
+        state.claimed.update(id(t) for t in region.targets)
+        key = (region.key, region.plan_type)
+        plans.setdefault(key, Plan(region.key, region.plan_type)).occurrences.append(region)
+    for p in plans.values():
+        p.occurrences.sort(key=lambda r: analysis.position[id(r.match.root)])
+    ordered = sorted(plans.values(), key=lambda p: (p.type, p.key))
+    return Planning(graph, enabled, analysis, ordered, refusals, tiers)
+
+
+@dataclass
+class Result:
+    graph: Graph
+    planning: Planning
+    applied: list[Region]
+    peak_before: int | None
+    peak_after: int | None
+
+    @property
+    def plans(self) -> list[Plan]:
+        return self.planning.plans
+
+    def report(self, as_json: bool = False):
+        from .report import plan_json, plan_table
+
+        return plan_json(self) if as_json else plan_table(self.planning, self)
+
+
+def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
+          tiers: Iterable[str] = (), forward_outputs: list[str] | None = None) -> Result:
+    """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied."""
+    if not isinstance(rules, RuleSet):
+        raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
+    entries = parse_config(config) if isinstance(config, str) else config
+    peak_before = estimate_peak(graph, rules.views).peak_bytes
+    work = graph.copy()
+    planning = plan(work, rules, tiers, forward_outputs)
+    select(planning.plans, entries)
+    chosen: list[tuple[Plan, Region]] = []
+    for p in planning.plans:
+        if p.requested:
+            regions = p.occurrences if p.requested < 0 else p.occurrences[:p.requested]
+            chosen.extend((p, r) for r in regions)
+    analysis = planning.analysis
+    ctx = MatchContext(work, planning.rules, analysis)
+    state = StashState.of(analysis)
+    rewriter = Rewriter(work, state)
+    applied = []
+    for p, region in sorted(chosen, key=lambda pr: (-pr[1].match.rule.priority, pr[1].match.rule.order,
+                                                    analysis.position[id(pr[1].match.root)])):
+        fresh = grow(region.match, ctx, state)
+        if isinstance(fresh, Reason):
+            planning.refusals.append(Refusal(region.match, fresh))
+            continue
+        rewriter.apply(fresh)
+        applied.append(fresh)
+        p.applied += 1
+    result_graph = rewriter.finish()
+    result_graph.verify()
+    return Result(result_graph, planning, applied, peak_before,
+                  estimate_peak(result_graph, rules.views).peak_bytes)

@@ -1,0 +1,56 @@
+"""Element types, named as ONNX names them (the IR's lingua franca)."""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class DType(Enum):
+    FLOAT32 = ("float32", 4)
+    FLOAT16 = ("float16", 2)
+    BFLOAT16 = ("bfloat16", 2)
+    FLOAT64 = ("float64", 8)
+    INT8 = ("int8", 1)
+    INT16 = ("int16", 2)
+    INT32 = ("int32", 4)
+    INT64 = ("int64", 8)
+    UINT8 = ("uint8", 1)
+    BOOL = ("bool", 1)
+    FLOAT8E4M3 = ("float8e4m3", 1)
+    FLOAT8E5M2 = ("float8e5m2", 1)
+    UNKNOWN = ("unknown", 0)
+
+    @property
+    def type_name(self) -> str:
+        return self.value[0]
+
+    @property
+    def itemsize(self) -> int:
+        return self.value[1]
+
+    @property
+    def is_float(self) -> bool:
+        return self.type_name.startswith(("float", "bfloat"))
+
+    def __str__(self) -> str:
+        return self.type_name
+
+    @classmethod
+    def from_name(cls, name: str) -> "DType":
+        """Accepts the IR names and the common aliases (`float`, `half`, `double`, `long`)."""
+        key = _ALIASES.get(name.lower(), name.lower())
+        for member in cls:
+            if member.type_name == key:
+                return member
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(dtype_names())}")
+
+
+_ALIASES = {
+    "float": "float32", "fp32": "float32", "f32": "float32",
+    "half": "float16", "fp16": "float16", "f16": "float16",
+    "bf16": "bfloat16", "double": "float64", "fp64": "float64",
+    "long": "int64", "int": "int32",
+}
+
+
+def dtype_names() -> list[str]:
+    return [d.type_name for d in DType if d is not DType.UNKNOWN]

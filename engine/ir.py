@@ -1,0 +1,222 @@
+"""The shared graph IR: Graph, Node, Value.
+
+Kept small on purpose, like torch.fx: a Graph is an ordered list of Nodes
+(the order is a valid schedule) over SSA Values. Every backend imports into
+this and exports out of it; rules match on it.
+
+Op names are ONNX operator names for the default domain (`Gelu`), and
+`domain::name` otherwise (`com.microsoft::BiasGelu`, `aten::gelu`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import DType
+from .errors import GraphError
+from .shapes import Dim, format_shape, numel, simplify
+
+
+@dataclass(eq=False)
+class Value:
+    """An SSA value. `data` holds a constant's payload (opaque to the engine)."""
+
+    name: str
+    dtype: DType = DType.UNKNOWN
+    shape: tuple[Dim, ...] | None = None
+    producer: "Node | None" = field(default=None, repr=False)
+    users: list["Node"] = field(default_factory=list, repr=False)
+    is_input: bool = False
+    is_initializer: bool = False
+    data: Any = field(default=None, repr=False)
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def numel(self) -> Dim | None:
+        return None if self.shape is None else numel(self.shape)
+
+    @property
+    def nbytes(self) -> Dim | None:
+        n = self.numel
+        if n is None or self.dtype is DType.UNKNOWN:
+            return None
+        return simplify(n * self.dtype.itemsize)
+
+    @property
+    def type_str(self) -> str:
+        return f"{self.dtype}{format_shape(self.shape)}"
+
+    def __repr__(self) -> str:
+        return f"Value({self.name}: {self.type_str})"
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    inputs: list[Value | None]
+    outputs: list[Value]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    subgraphs: dict[str, "Graph"] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def domain(self) -> str:
+        return self.op.rpartition("::")[0]
+
+    @property
+    def op_type(self) -> str:
+        """The op without its domain: `BiasGelu` for `com.microsoft::BiasGelu`."""
+        return self.op.rpartition("::")[2]
+
+    def present_inputs(self) -> Iterator[Value]:
+        return (v for v in self.inputs if v is not None)
+
+    def __repr__(self) -> str:
+        return f"Node({self.name or '?'}: {self.op})"
+
+
+@dataclass(eq=False)
+class Graph:
+    """Nodes in schedule order over values; `dim_examples` turns symbolic sizes into bytes."""
+
+    nodes: list[Node] = field(default_factory=list)
+    inputs: list[Value] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    initializers: list[Value] = field(default_factory=list)
+    name: str = "graph"
+    dim_examples: dict[str, int] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.link()
+
+    def link(self) -> None:
+        """Recompute producers and users after the node list changed."""
+        for v in self.values():
+            v.producer = None
+            v.users = []
+        for node in self.nodes:
+            for out in node.outputs:
+                out.producer = node
+            for v in node.present_inputs():
+                v.users.append(node)
+            for sub in node.subgraphs.values():
+                for v in _captured_values(sub):
+                    v.users.append(node)
+
+    def values(self) -> Iterator[Value]:
+        seen: set[int] = set()
+        for v in _chain(self.inputs, self.initializers,
+                        (v for n in self.nodes for v in _chain(n.present_inputs(), n.outputs)),
+                        self.outputs):
+            if id(v) not in seen:
+                seen.add(id(v))
+                yield v
+
+    def value_map(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values()}
+
+    def node_index(self) -> dict[int, int]:
+        """Position of each node (keyed by id) in the schedule."""
+        return {id(n): i for i, n in enumerate(self.nodes)}
+
+    def fresh_name(self, base: str, taken: set[str]) -> str:
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        return name
+
+    def copy(self) -> "Graph":
+        """A copy of the nodes and values; constant payloads (`data`) are shared, not copied."""
+        mapping: dict[int, Value] = {}
+
+        def val(v: Value | None) -> Value | None:
+            if v is None:
+                return None
+            if id(v) not in mapping:
+                mapping[id(v)] = Value(v.name, v.dtype, v.shape, is_input=v.is_input,
+                                       is_initializer=v.is_initializer, data=v.data, meta=dict(v.meta))
+            return mapping[id(v)]
+
+        return self._copy_with(val)
+
+    def _copy_with(self, val) -> "Graph":
+        inputs = [val(v) for v in self.inputs]
+        inits = [val(v) for v in self.initializers]
+        nodes = [Node(n.op, [val(v) for v in n.inputs], [val(v) for v in n.outputs], dict(n.attrs),
+                      n.name, {k: g._copy_with(val) for k, g in n.subgraphs.items()}, dict(n.meta))
+                 for n in self.nodes]
+        return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
+                     dict(self.dim_examples), dict(self.meta))
+
+    def verify(self) -> None:
+        """Raise GraphError naming the node when the graph is not a valid SSA schedule."""
+        _verify(self, outer=set())
+
+    def __str__(self) -> str:
+        from .printer import format_graph
+
+        return format_graph(self)
+
+
+def _chain(*iterables: Iterable[Value]) -> Iterator[Value]:
+    for it in iterables:
+        yield from it
+
+
+def _captured_values(sub: Graph) -> Iterator[Value]:
+    """Values a subgraph reads from the enclosing scope."""
+    defined = {id(v) for v in _chain(sub.inputs, sub.initializers)}
+    for node in sub.nodes:
+        for v in node.present_inputs():
+            if id(v) not in defined:
+                yield v
+        for inner in node.subgraphs.values():
+            for v in _captured_values(inner):
+                if id(v) not in defined:
+                    yield v
+        defined.update(id(o) for o in node.outputs)
+
+
+def _verify(graph: Graph, outer: set[int]) -> None:
+    from .printer import node_context
+
+    defined: set[int] = set(outer)
+    names: dict[str, Value] = {}
+
+    def define(v: Value, where: str, node_at: int | None = None) -> None:
+        other = names.get(v.name)
+        if other is not None and other is not v:
+            at = f"\n{node_context(graph, node_at)}" if node_at is not None else ""
+            raise GraphError(f"value name {v.name!r} is defined twice ({where}){at}")
+        if id(v) in defined and node_at is not None:
+            raise GraphError(f"value {v.name!r} is produced twice ({where})\n{node_context(graph, node_at)}")
+        names[v.name] = v
+        defined.add(id(v))
+
+    for v in graph.inputs:
+        define(v, "graph input")
+    for v in graph.initializers:
+        define(v, "initializer")
+    for i, node in enumerate(graph.nodes):
+        if not node.op:
+            raise GraphError(f"node #{i} has no op\n{node_context(graph, i)}")
+        for k, v in enumerate(node.inputs):
+            if v is not None and id(v) not in defined:
+                raise GraphError(
+                    f"node {node.name or '#' + str(i)} ({node.op}) reads {v.name!r} (input {k}) "
+                    f"before it is defined\n{node_context(graph, i)}")
+        for sub in node.subgraphs.values():
+            _verify(sub, defined)
+        for out in node.outputs:
+            if out.producer is not node:
+                raise GraphError(
+                    f"node {node.name or '#' + str(i)} ({node.op}) output {out.name!r} does not "
+                    f"name it as producer (call graph.link() after editing)\n{node_context(graph, i)}")
+            define(out, f"output of {node.name or node.op}", i)
+    for v in graph.outputs:
+        if id(v) not in defined:
+            raise GraphError(f"graph output {v.name!r} is never defined")

@@ -1,0 +1,326 @@
+"""Matching compiled rules against a graph, and explaining why a rule did not fire.
+
+Rules are indexed by the ops their root accepts; each node costs one dict
+lookup unless some rule roots at its op. Matching walks from the root node up
+through producers. Results come in schedule order, then rule priority order,
+so they are deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .analysis import Analysis, analyze
+from .dtypes import DType
+from .errors import SourceLocation
+from .guards import Unproven, decide, describe, evaluate_expr
+from .ir import Graph, Node, Value
+from .patterns import (CaptureRef, Expr, NodePattern, OutputRef, Rule, RuleSet, TypePattern,
+                       Wildcard)
+from .shapes import format_shape
+
+_MISSING = object()
+
+
+@dataclass
+class Match:
+    rule: Rule
+    root: Node
+    nodes: list[Node]
+    bindings: dict[str, Any]
+
+    def value(self, name: str) -> Value:
+        return self.bindings[name]
+
+
+@dataclass
+class Reason:
+    """Why a rule did not match at a node: the rule's source position and what failed there."""
+
+    location: SourceLocation
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.message}"
+
+
+class MatchContext:
+    """What guards may ask about a graph. The analysis is computed on first use only."""
+
+    def __init__(self, graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
+                 forward_outputs: list[str] | None = None):
+        self.graph = graph
+        self.rules = rules
+        self._analysis = analysis
+        self._forward_outputs = forward_outputs or graph.meta.get("forward_outputs")
+        self._saved: dict[int, bool] = {}
+        self.examples = graph.dim_examples
+
+    @property
+    def analysis(self) -> Analysis:
+        if self._analysis is None:
+            self._analysis = analyze(self.graph, self._forward_outputs)
+        return self._analysis
+
+    def view_closure(self, value: Value) -> list[Value]:
+        """`value` and the forward views of it (through ops the rules declare `view`)."""
+        out, stack = [], [value]
+        views = self.rules.views
+        while stack:
+            v = stack.pop()
+            out.append(v)
+            for user in v.users:
+                if (user.op in views and user.inputs and user.inputs[0] is v
+                        and self.analysis.is_forward(user)):
+                    stack.extend(user.outputs)
+        return out
+
+    def is_available(self, value: Value) -> bool:
+        a = self.analysis
+        return (value.is_input or value.is_initializer or value.producer is None
+                or a.is_stashed(value) or a.is_constant(value))
+
+    def is_saved(self, value: Value) -> bool:
+        key = id(value)
+        if key not in self._saved:
+            self._saved[key] = any(self.analysis.is_stashed(v) for v in self.view_closure(value))
+        return self._saved[key]
+
+
+class _Fail(Exception):
+    def __init__(self, location: SourceLocation, message: str):
+        self.reason = Reason(location, message)
+
+
+def _bind(bindings: dict[str, Any], name: str, value: Any, loc: SourceLocation) -> None:
+    have = bindings.get(name, _MISSING)
+    if have is _MISSING:
+        bindings[name] = value
+    elif have is not value and not (isinstance(have, list) and isinstance(value, list)
+                                     and len(have) == len(value)
+                                     and all(a is b for a, b in zip(have, value))):
+        raise _Fail(loc, f"capture {name!r} would be both %{_name(have)} and %{_name(value)}")
+
+
+def _name(v: Any) -> str:
+    return v.name if isinstance(v, Value) else str([x.name for x in v])
+
+
+def _attr_equal(want: Any, have: Any) -> bool:
+    if isinstance(want, DType) or isinstance(have, DType):
+        return want == have
+    if isinstance(want, list):
+        return isinstance(have, (list, tuple)) and len(want) == len(have) and all(
+            _attr_equal(w, h) for w, h in zip(want, have))
+    if isinstance(want, float) or isinstance(have, float):
+        try:
+            return abs(float(want) - float(have)) <= 1e-6 * max(1.0, abs(float(want)))
+        except (TypeError, ValueError):
+            return False
+    return want == have
+
+
+def _match_node(pat: NodePattern, node: Node, bindings: dict[str, Any], matched: list[Node]) -> None:
+    if not pat.accepts(node.op, node.meta.get("native_op")):
+        raise _Fail(pat.location, f"`{pat.text}` needs op {'|'.join(sorted(pat.ops))}, "
+                                  f"found {node.op} ({node.name})")
+    if pat.attrs:
+        defaults = node.meta.get("attr_defaults", {})
+        for key, want in pat.attrs.items():
+            have = node.attrs.get(key, defaults.get(key, _MISSING))
+            if have is _MISSING:
+                raise _Fail(pat.location, f"`{pat.text}`: {node.name} has no attribute {key!r}")
+            if not _attr_equal(want, have):
+                raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {key}={have}, not {want}")
+    for i, name in enumerate(pat.outputs):
+        if name is None:
+            continue
+        if i >= len(node.outputs):
+            raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {len(node.outputs)} output(s)")
+        _bind(bindings, name, node.outputs[i], pat.location)
+    matched.append(node)
+    inputs = list(node.inputs)
+    while inputs and inputs[-1] is None and len(inputs) > len(pat.args):
+        inputs.pop()
+    if pat.variadic is not None:
+        if len(inputs) < len(pat.args):
+            raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {len(inputs)} inputs, "
+                                      f"needs at least {len(pat.args)}")
+        rest = inputs[len(pat.args):]
+        if any(v is None for v in rest):
+            raise _Fail(pat.location, f"`{pat.text}`: {node.name} has a missing variadic input")
+        _bind(bindings, pat.variadic, rest, pat.location)
+        inputs = inputs[:len(pat.args)]
+    elif len(inputs) != len(pat.args):
+        raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {len(inputs)} input(s), "
+                                  f"the pattern {len(pat.args)}")
+    if not pat.commutative:
+        for arg, value in zip(pat.args, inputs):
+            _match_arg(arg, value, bindings, matched)
+        return
+    first_error: _Fail | None = None
+    for order in (inputs, inputs[::-1]):
+        trial, trial_nodes = dict(bindings), list(matched)
+        try:
+            for arg, value in zip(pat.args, order):
+                _match_arg(arg, value, trial, trial_nodes)
+        except _Fail as err:
+            first_error = first_error or err
+            continue
+        bindings.clear()
+        bindings.update(trial)
+        matched[:] = trial_nodes
+        return
+    raise first_error  # type: ignore[misc]
+
+
+def _match_arg(arg: Any, value: Value | None, bindings: dict[str, Any], matched: list[Node]) -> None:
+    if isinstance(arg, Wildcard):
+        return
+    if value is None:
+        raise _Fail(arg.location, "the input is missing")
+    if isinstance(arg, CaptureRef):
+        _bind(bindings, arg.name, value, arg.location)
+        return
+    pattern, index = (arg, 0) if isinstance(arg, NodePattern) else (arg.pattern, arg.output)
+    producer = value.producer
+    if producer is None:
+        kind = "a graph input" if value.is_input else "a weight" if value.is_initializer else "not produced by a node"
+        raise _Fail(pattern.location, f"`{pattern.text}`: %{value.name} is {kind}")
+    if index >= len(producer.outputs) or producer.outputs[index] is not value:
+        raise _Fail(pattern.location, f"`{pattern.text}`: %{value.name} is not output {index} "
+                                      f"of {producer.name}")
+    _match_node(pattern, producer, bindings, matched)
+
+
+def _check_type(tp: TypePattern, value: Any, dims: dict[str, Any]) -> None:
+    if not isinstance(value, Value):
+        raise _Fail(tp.location, f"`{tp.text}`: a variadic capture has no single type")
+    if tp.dtypes is not None and value.dtype not in tp.dtypes:
+        raise _Fail(tp.location, f"`{tp.text}`: %{value.name} is {value.dtype}")
+    if tp.dims is None:
+        return
+    shape = value.shape
+    if shape is None:
+        raise _Fail(tp.location, f"`{tp.text}`: the shape of %{value.name} is unknown")
+    pats = tp.dims
+    rest = next((i for i, d in enumerate(pats) if d.kind == "rest"), None)
+    if rest is None:
+        if len(pats) != len(shape):
+            raise _Fail(tp.location, f"`{tp.text}`: %{value.name} is {format_shape(shape)}")
+        pairs = list(zip(pats, shape))
+    else:
+        tail = len(pats) - rest - 1
+        if len(shape) < len(pats) - 1:
+            raise _Fail(tp.location, f"`{tp.text}`: %{value.name} is {format_shape(shape)}")
+        pairs = list(zip(pats[:rest], shape[:rest])) + (
+            list(zip(pats[rest + 1:], shape[len(shape) - tail:])) if tail else [])
+    for dp, dim in pairs:
+        if dp.kind == "int" and dim != dp.value:
+            raise _Fail(tp.location, f"`{tp.text}`: %{value.name} is {format_shape(shape)}")
+        if dp.kind == "name":
+            have = dims.setdefault(dp.value, dim)
+            if have != dim:
+                raise _Fail(tp.location, f"`{tp.text}`: dim {dp.value} would be both {have} and {dim}")
+
+
+def _guard_failure(expr: Expr, bindings: dict[str, Any], ctx: MatchContext) -> str:
+    """Name the part of a false guard that is false, with the values it compared."""
+    if expr.kind == "binop" and expr.value == "and":
+        for part in expr.args:
+            try:
+                ok = decide(evaluate_expr(part, bindings, ctx), ctx.examples, part.text)
+            except Unproven:
+                ok = False
+            if not ok:
+                return _guard_failure(part, bindings, ctx)
+    if expr.kind == "binop" and expr.value in (">=", "<=", ">", "<", "==", "!="):
+        lhs = evaluate_expr(expr.args[0], bindings, ctx)
+        rhs = evaluate_expr(expr.args[1], bindings, ctx)
+        return (f"`{expr.text}` is false: {expr.args[0].text} = {describe(lhs, ctx.examples)}, "
+                f"{expr.args[1].text} = {describe(rhs, ctx.examples)}")
+    return f"`{expr.text}` is false"
+
+
+def try_match(rule: Rule, node: Node, ctx: MatchContext) -> Match | Reason:
+    bindings: dict[str, Any] = {}
+    matched: list[Node] = []
+    try:
+        _match_node(rule.root, node, bindings, matched)
+        dims: dict[str, Any] = {}
+        for tp in rule.types:
+            _check_type(tp, bindings[tp.capture], dims)
+        for guard in rule.guards:
+            try:
+                value = decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text)
+            except Unproven as why:
+                raise _Fail(guard.location, str(why)) from None
+            except (TypeError, ValueError, ZeroDivisionError) as exc:
+                raise _Fail(guard.location, f"`{guard.text}` cannot be evaluated: {exc}") from None
+            if not value:
+                raise _Fail(guard.location, _guard_failure(guard.expr, bindings, ctx))
+    except _Fail as fail:
+        return fail.reason
+    return Match(rule, node, matched, bindings)
+
+
+def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
+          forward_outputs: list[str] | None = None, context: MatchContext | None = None) -> list[Match]:
+    """Every match of every rule, in schedule order (then priority, then file order)."""
+    ctx = context or MatchContext(graph, rules, analysis, forward_outputs)
+    index = rules.by_root_op()
+    found: list[Match] = []
+    for node in graph.nodes:
+        candidates = index.get(node.op)
+        native = node.meta.get("native_op")
+        if native is not None and native in index:
+            candidates = (candidates or []) + [r for r in index[native] if r not in (candidates or [])]
+        if not candidates:
+            continue
+        for rule in candidates:
+            result = try_match(rule, node, ctx)
+            if isinstance(result, Match):
+                found.append(result)
+    return found
+
+
+@dataclass
+class Explanation:
+    rule: Rule
+    node: Node | None
+    matched: bool
+    reasons: list[Reason] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        where = f"{self.node.name} ({self.node.op})" if self.node else "the graph"
+        if self.matched:
+            return f"{self.rule.name} matches at {where}" + "".join(f"\n    {r}" for r in self.reasons)
+        return f"{self.rule.name} does not match at {where}:" + "".join(f"\n    {r}" for r in self.reasons)
+
+
+def explain(graph: Graph, rules: RuleSet, rule_name: str, node_name: str | None = None,
+            context: MatchContext | None = None) -> list[Explanation]:
+    """For each node the rule's root op accepts (or the named node), whether and why not it matched."""
+    rule = rules.rule(rule_name)
+    if rule is None:
+        from .errors import RuleError
+
+        raise RuleError(f"no rule named {rule_name!r}; rules: {', '.join(r.name for r in rules.rules)}")
+    ctx = context or MatchContext(graph, rules)
+    if node_name is not None:
+        nodes = [n for n in graph.nodes if n.name == node_name or any(o.name == node_name for o in n.outputs)]
+        if not nodes:
+            from .errors import GraphError
+
+            raise GraphError(f"no node or value named {node_name!r} in the graph")
+    else:
+        nodes = [n for n in graph.nodes if rule.root.accepts(n.op, n.meta.get("native_op"))]
+    if not nodes:
+        return [Explanation(rule, None, False, [Reason(rule.root.location,
+                f"no node has op {'|'.join(sorted(rule.root.ops))}, the root of `{rule.root.text}`")])]
+    out = []
+    for node in nodes:
+        result = try_match(rule, node, ctx)
+        out.append(Explanation(rule, node, isinstance(result, Match),
+                               [] if isinstance(result, Match) else [result]))
+    return out

@@ -1,0 +1,176 @@
+"""Compiled rules: what the DSL produces and the matcher runs.
+
+Language-neutral dataclasses. A rule's pattern is a tree of NodePatterns rooted
+at one node; arguments refer to captures, wildcards or nested patterns. The
+rule set indexes rules by the op names their root accepts, so a node whose op
+no rule roots at costs one dict lookup (the tinygrad/UPat idea).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import DType
+from .errors import SourceLocation
+
+DEFAULT_TIER = "default"
+
+
+@dataclass(frozen=True)
+class Wildcard:
+    location: SourceLocation
+
+
+@dataclass(frozen=True)
+class CaptureRef:
+    name: str
+    location: SourceLocation
+
+
+@dataclass
+class NodePattern:
+    """One op in a pattern: `y = Gelu|FastGelu(x, approximate="none")`."""
+
+    ops: frozenset[str]
+    args: list["Arg"]
+    attrs: dict[str, Any]
+    outputs: list[str | None]           # capture names of the node's outputs; None = not captured
+    location: SourceLocation
+    commutative: bool = False
+    variadic: str | None = None          # capture bound to the remaining inputs
+    text: str = ""                       # the source text, for explanations
+
+    def accepts(self, op: str, native: str | None = None) -> bool:
+        return op in self.ops or (native is not None and native in self.ops)
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """An input that must be output `output` (> 0) of a node matching `pattern`."""
+
+    pattern: NodePattern
+    output: int
+    location: SourceLocation
+
+
+Arg = Wildcard | CaptureRef | NodePattern | OutputRef
+
+
+@dataclass(frozen=True)
+class DimPattern:
+    kind: str                 # "int" | "name" | "any" | "rest"
+    value: int | str | None = None
+
+
+@dataclass
+class TypePattern:
+    """`x : float16|bfloat16[B, _, 4096]`."""
+
+    capture: str
+    dtypes: frozenset[DType] | None
+    dims: list[DimPattern] | None
+    location: SourceLocation
+    text: str = ""
+
+
+@dataclass
+class Expr:
+    """A guard expression tree: kind in num, bool, str, dtype, ref, call, binop, not, neg."""
+
+    kind: str
+    location: SourceLocation
+    value: Any = None
+    args: list["Expr"] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass
+class Guard:
+    expr: Expr
+    location: SourceLocation
+    text: str
+
+
+@dataclass
+class Recompute:
+    """`recompute y` (type 1) or `recompute y from x` with x a new, smaller stash (type 2)."""
+
+    target: str
+    sources: list[str]
+    location: SourceLocation
+
+
+@dataclass
+class Save:
+    captures: list[str]
+    location: SourceLocation
+
+
+Action = Recompute | Save
+
+
+@dataclass
+class Rule:
+    name: str
+    root: NodePattern
+    types: list[TypePattern]
+    guards: list[Guard]
+    actions: list[Action]
+    location: SourceLocation
+    priority: int = 0
+    tier: str = DEFAULT_TIER
+    order: int = 0                  # position among all rules, for deterministic tie-breaks
+
+    @property
+    def plan_type(self) -> int:
+        """1 recompute, 2 recompute with compromise (a new stash)."""
+        for a in self.actions:
+            if isinstance(a, Save) or (isinstance(a, Recompute) and a.sources):
+                return 2
+        return 1
+
+    def node_patterns(self) -> Iterable[NodePattern]:
+        stack = [self.root]
+        while stack:
+            pat = stack.pop()
+            yield pat
+            stack.extend(a if isinstance(a, NodePattern) else a.pattern
+                         for a in pat.args if isinstance(a, (NodePattern, OutputRef)))
+
+
+@dataclass
+class RuleSet:
+    """Rules plus the op facts the rule files declare (which ops are views, recomputable, random)."""
+
+    rules: list[Rule] = field(default_factory=list)
+    recomputable: dict[str, str] = field(default_factory=dict)   # op -> tier
+    views: frozenset[str] = frozenset()
+    nondeterministic: frozenset[str] = frozenset()
+    sources: list[str] = field(default_factory=list)             # files, for reports and cache keys
+    digest: str = ""                                             # content hash of the rule sources
+
+    def __post_init__(self) -> None:
+        self._index: dict[str, list[Rule]] | None = None
+
+    def by_root_op(self) -> dict[str, list[Rule]]:
+        if self._index is None:
+            index: dict[str, list[Rule]] = {}
+            for rule in sorted(self.rules, key=lambda r: (-r.priority, r.order)):
+                for op in rule.root.ops:
+                    index.setdefault(op, []).append(rule)
+            self._index = index
+        return self._index
+
+    def rule(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.name == name), None)
+
+    def enabled(self, tiers: Iterable[str]) -> "RuleSet":
+        """The rules and recomputable ops of the given tiers (the default tier is always on)."""
+        allowed = {DEFAULT_TIER, *tiers}
+        return RuleSet([r for r in self.rules if r.tier in allowed],
+                       {op: t for op, t in self.recomputable.items() if t in allowed},
+                       self.views, self.nondeterministic, self.sources, self.digest)
+
+    def tiers(self) -> set[str]:
+        return {r.tier for r in self.rules} | set(self.recomputable.values())

@@ -1,0 +1,107 @@
+"""The plan table (in the spirit of ONNX Runtime's memory-optimizer summary) and its JSON form."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .plans import TYPE_NAMES, Plan
+from .shapes import evaluate, format_bytes, format_dim, simplify
+
+if TYPE_CHECKING:
+    from .apply import Planning, Result
+
+
+def _status(plan: Plan, applied_known: bool) -> str:
+    if not plan.requested:
+        return "off"
+    wanted = "all" if plan.requested < 0 else str(plan.requested)
+    return f"on ({wanted}, applied {plan.applied})" if applied_known else f"on ({wanted})"
+
+
+def _row(plan: Plan, examples: dict[str, int], applied_known: bool) -> dict[str, Any]:
+    saving = plan.saving()
+    row = {
+        "plan": plan.key,
+        "type": plan.type,
+        "type_name": TYPE_NAMES[plan.type],
+        "status": _status(plan, applied_known),
+        "config": plan.config_string(),
+        "frequency": plan.frequency,
+        "bytes_saved": evaluate(saving, examples),
+        "saving_formula": format_dim(saving),
+        "rules": plan.rules,
+        "shapes": [{"shape": s, "frequency": n} for s, n in plan.shapes()],
+    }
+    if plan.type == 2:
+        kept = plan.kept_fraction()
+        row["fraction_saved"] = None if kept is None else round(1.0 - kept, 4)
+    return row
+
+
+def plan_rows(planning: "Planning", applied_known: bool = False) -> list[dict[str, Any]]:
+    return [_row(p, planning.graph.dim_examples, applied_known) for p in planning.plans]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
+    examples = planning.graph.dim_examples
+    rows = plan_rows(planning, applied_known=result is not None)
+    body = []
+    for r in rows:
+        saved = format_bytes(r["bytes_saved"])
+        if r["type"] == 2 and r.get("fraction_saved") is not None:
+            saved += f" ({r['fraction_saved']:.0%} of it)"
+        body.append([r["plan"], str(r["type"]), r["status"], r["config"], str(r["frequency"]),
+                     saved, r["saving_formula"]])
+    stash = planning.analysis.stashed_bytes()
+    lines = [
+        f"Stashed activations: {len(planning.analysis.stashed)} values, "
+        f"{format_bytes(evaluate(stash, examples))}"
+        + (f" = {format_dim(stash)}" if not isinstance(stash, int) else ""),
+        f"Dims: " + (", ".join(f"{k}={v}" for k, v in sorted(examples.items())) or "all static"),
+        f"Tiers: default" + "".join(f", {t}" for t in planning.tiers),
+        "",
+        _table(["Plan", "Type", "Status", "Config", "Freq", "Saved", "Saving (formula)"], body)
+        if body else "No plans: no rule found a stashed activation it can recompute.",
+    ]
+    if result is not None:
+        total = simplify(sum((r.net for r in result.applied), 0))
+        lines += ["", f"Applied {len(result.applied)} recompute region(s), saving "
+                      f"{format_bytes(evaluate(total, examples))} of stash"
+                      + (f" = {format_dim(total)}" if not isinstance(total, int) else "")]
+        if result.peak_before is not None and result.peak_after is not None:
+            lines.append(f"Estimated peak (schedule order, no aliasing): "
+                         f"{format_bytes(result.peak_before)} -> {format_bytes(result.peak_after)}")
+    if planning.refusals:
+        lines += ["", f"{len(planning.refusals)} match(es) refused (see `remat explain`)."]
+    on = [r["config"] for r in rows if r["type"] == 1]
+    if on:
+        lines += ["", "Enable all type-1 plans with --config " + ",".join(on)]
+    return "\n".join(lines)
+
+
+def plan_json(result: "Result | Planning") -> dict[str, Any]:
+    from .apply import Result
+
+    planning = result.planning if isinstance(result, Result) else result
+    examples = planning.graph.dim_examples
+    out: dict[str, Any] = {
+        "dims": examples,
+        "tiers": ["default", *planning.tiers],
+        "stashed_values": len(planning.analysis.stashed),
+        "stashed_bytes": evaluate(planning.analysis.stashed_bytes(), examples),
+        "stashed_formula": format_dim(planning.analysis.stashed_bytes()),
+        "plans": plan_rows(planning, applied_known=isinstance(result, Result)),
+        "refused": [{"rule": r.match.rule.name, "node": r.match.root.name, "reason": str(r.reason)}
+                    for r in planning.refusals],
+    }
+    if isinstance(result, Result):
+        out["estimated_peak_before"] = result.peak_before
+        out["estimated_peak_after"] = result.peak_after
+    return out
