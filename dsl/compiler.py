@@ -147,6 +147,9 @@ class _RuleCompiler:
         referenced: set[int] = set()
         for binding in decl.bindings:
             self._collect_refs(binding.pattern, referenced)
+        for i, binding in enumerate(decl.bindings):
+            if i in referenced and not self._refers_to_other(binding, i):
+                referenced.discard(i)
         roots = [i for i in range(len(decl.bindings)) if i not in referenced]
         if not roots:
             self.error("the match statements refer to each other in a cycle, so the pattern has no root",
@@ -160,19 +163,35 @@ class _RuleCompiler:
                        "of another statement, or move it to its own rule")
             return None
         root = self._build(roots[0])
-        if root is None:
-            return None
         captures = set(self.defined) | self.inputs
         types = [t for t in (self._type(a, captures) for a in decl.types) if t is not None]
         guards = [P.Guard(e, r.loc, r.text) for r in decl.requires
                   if (e := self._expr(r.expr, captures)) is not None]
         actions = self._actions(captures)
-        if not actions:
+        if not decl.actions:
             self.error(f"rule {decl.name!r} has no rewrite action", decl.loc,
                        "add `recompute y` or `recompute y from x` to its rewrite block")
+        if root is None or not actions:
             return None
         return P.Rule(decl.name, root, types, guards, actions, decl.loc, decl.priority,
                       decl.tier or P.DEFAULT_TIER)
+
+    def _refers_to_other(self, binding: ast.Binding, index: int) -> bool:
+        """Whether some other statement uses this one's captures (a self-reference does not count)."""
+        names = {t.name for t in binding.targets if t.name}
+        for j, other in enumerate(self.decl.bindings):
+            if j != index and names & self._arg_names(other.pattern):
+                return True
+        return False
+
+    def _arg_names(self, pat: ast.NodePat) -> set[str]:
+        out = set()
+        for arg in pat.args:
+            if arg.kind == "capture":
+                out.add(arg.name)
+            elif arg.kind == "nested":
+                out |= self._arg_names(arg.value)
+        return out
 
     def _collect_refs(self, pat: ast.NodePat, referenced: set[int]) -> None:
         for arg in pat.args:
@@ -232,7 +251,7 @@ class _RuleCompiler:
             else:
                 self._input_capture(arg.name, arg.loc)
                 args.append(P.CaptureRef(arg.name, arg.loc))
-        if pat.commutative and len(args) != 2:
+        if pat.commutative and variadic is None and len(args) != 2:
             self.error(f"a commutative pattern `Op{{a, b}}` takes exactly two inputs, got {len(args)}",
                        pat.loc)
         return P.NodePattern(ops, args, attrs, outputs, pat.loc, pat.commutative, variadic, pat.text)

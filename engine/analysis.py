@@ -69,11 +69,13 @@ def analyze(graph: Graph, forward_outputs: Sequence[str] | None = None) -> Analy
     position = graph.node_index()
     stashed = []
     constant = constant_values(graph)
+    outputs = {id(v) for v in graph.outputs}  # kept to the end anyway: not a cost of backward
     for node in graph.nodes:
         if id(node) not in forward:
             continue
         for out in node.outputs:
-            if id(out) not in constant and any(id(u) not in forward for u in out.users):
+            if (id(out) not in constant and id(out) not in outputs
+                    and any(id(u) not in forward for u in out.users)):
                 stashed.append(out)
     backward_positions = [position[id(n)] for n in graph.nodes if id(n) not in forward]
     return Analysis(graph, fwd_outs, forward, stashed, position,

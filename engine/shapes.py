@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import reduce
 import operator
+import re
 
 import sympy
 
@@ -25,6 +26,27 @@ def as_dim(value: int | str | sympy.Expr) -> Dim:
     if isinstance(value, sympy.Expr):
         return int(value) if value.is_Integer else value
     return int(value)
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_dim(text: str) -> Dim:
+    """A dim written as text: `batch`, `batch*seq`, `2*batch`, `seq - 1`.
+
+    Names become positive-integer symbols; text that is not an arithmetic
+    expression of names and integers becomes one opaque symbol.
+    """
+    text = text.strip()
+    if _IDENT.fullmatch(text):
+        return symbol(text)
+    names = {n: symbol(n) for n in _IDENT.findall(text)}
+    if re.fullmatch(r"[A-Za-z0-9_+\-*/() ]+", text):
+        try:
+            return as_dim(sympy.sympify(text, locals=names))
+        except (sympy.SympifyError, SyntaxError, TypeError):
+            pass
+    return symbol(re.sub(r"\W", "_", text))
 
 
 def numel(shape: Sequence[Dim]) -> Dim:

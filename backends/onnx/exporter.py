@@ -62,8 +62,7 @@ def value_info(value: Value) -> onnx.ValueInfoProto:
         return helper.make_empty_tensor_value_info(value.name)
     shape = None
     if value.shape is not None:
-        shape = [int(d) if is_static(d) else (format_dim(d) if getattr(d, "is_Symbol", False) else None)
-                 for d in value.shape]
+        shape = [int(d) if is_static(d) else format_dim(d) for d in value.shape]
     return helper.make_tensor_value_info(value.name, to_onnx(value.dtype), shape)
 
 

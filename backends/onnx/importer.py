@@ -10,7 +10,7 @@ from onnx import helper, shape_inference
 
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
-from engine.shapes import as_dim, symbol
+from engine.shapes import parse_dim, symbol
 
 from .dtypes import DTYPE_ATTRIBUTES, to_ir
 
@@ -62,7 +62,7 @@ def _value_from_type(name: str, type_proto: onnx.TypeProto | None) -> Value:
             if d.HasField("dim_value"):
                 dims.append(int(d.dim_value))
             elif d.HasField("dim_param"):
-                dims.append(symbol(d.dim_param))
+                dims.append(parse_dim(d.dim_param))
             else:
                 dims.append(symbol(f"{name}_dim{i}"))
         value.shape = tuple(dims)

@@ -52,17 +52,38 @@ def _clean(name: str) -> str:
 
 def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                          input_names: list[str] | None = None,
-                         dim_examples: dict[str, int] | None = None) -> ExportedStep:
-    """Trace forward + backward of `module(*inputs)` (which returns the loss) into ONNX."""
+                         dynamic_dims: dict[int, str] | None = None,
+                         max_dims: dict[str, int] | None = None) -> ExportedStep:
+    """Trace forward + backward of `module(*inputs)` (which returns the loss) into ONNX.
+
+    `dynamic_dims` names input dims that stay symbolic (`{0: "batch", 1: "seq"}`, applied
+    to every input of at least that rank); the example inputs' sizes become the model's
+    example dim values, so savings print both as formulas and as bytes.
+    """
     names = [n for n, _ in module.named_parameters()]
     params = [p.detach().clone() for _, p in module.named_parameters()]
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     step = _step_fn(module, names, len(inputs))
+    dim_examples: dict[str, int] = {}
+    dynamic_shapes = None
+    if dynamic_dims:
+        limits = max_dims or {}
+        dims = {name: torch.export.Dim(name, max=limits[name]) if name in limits else torch.export.Dim(name)
+                for name in set(dynamic_dims.values())}
+        specs = []
+        for t in inputs:
+            spec = {axis: dims[name] for axis, name in dynamic_dims.items() if axis < t.dim()}
+            dim_examples.update({name: int(t.shape[axis]) for axis, name in dynamic_dims.items()
+                                 if axis < t.dim()})
+            specs.append(spec or None)
+        dynamic_shapes = tuple(specs) + tuple(None for _ in params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = make_fx(step, decomposition_table=core_aten_decompositions())(*inputs, *params)
+        traced = make_fx(step, decomposition_table=core_aten_decompositions(),
+                         tracing_mode="symbolic" if dynamic_dims else "real")(*inputs, *params)
         program = torch.onnx.export(
             traced, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
+            dynamic_shapes=dynamic_shapes,
             input_names=[*input_names, *(_clean(n) for n in names)],
             output_names=["loss", *(f"grad.{_clean(n)}" for n in names)])
     model = program.model_proto
@@ -96,3 +117,20 @@ def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol
             raise RematError(f"exported training graph disagrees with torch on {name}: "
                              f"relative error {err:.3g} > {rtol}")
     return worst
+
+
+def export_gpt(cfg, output: str | Path, dynamic: bool = False) -> tuple[Path, float]:
+    """Export DESIGN.md's GPT-like training step, check its gradients against torch, save it."""
+    from backends.models import gpt
+
+    from .runtime import run
+
+    model = gpt(cfg)
+    exported = export_training_step(
+        model, model.example_inputs(), ["idx", "targets"],
+        dynamic_dims={0: "batch", 1: "seq"} if dynamic else None,
+        max_dims={"seq": cfg.seq} if dynamic else None)
+    error = check_gradients(exported, run(exported.model, exported.feeds))
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(exported, path), error

@@ -1,0 +1,220 @@
+"""The `remat` command line: check, analyze, apply, explain, measure, export-gpt, demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from dsl.errors import RuleCompileError
+from engine.errors import RematError
+
+
+def _dims(items: list[str] | None) -> dict[str, int]:
+    dims = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit():
+            raise RematError(f"--dim {item!r}: expected NAME=INTEGER, like batch=8")
+        dims[name.strip()] = int(value)
+    return dims
+
+
+def _rules(paths: list[str] | None):
+    from dsl.loader import load_rules
+
+    return load_rules(paths or None)
+
+
+def _load(args):
+    from backends.onnx.importer import import_model
+
+    return import_model(args.model, _dims(args.dim))
+
+
+def _forward(args) -> list[str] | None:
+    return args.forward_output or None
+
+
+def cmd_check(args) -> int:
+    rules = _rules(args.rules)
+    tiers = ", ".join(sorted(rules.tiers()))
+    print(f"ok: {len(rules.rules)} rule(s) in {len(rules.sources)} file(s); tiers: {tiers}")
+    for rule in rules.rules:
+        print(f"  {rule.name:32s} tier {rule.tier:10s} priority {rule.priority:4d}  {rule.location}")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from engine.apply import plan
+    from engine.plans import select
+    from engine.report import plan_json, plan_table
+
+    planning = plan(_load(args), _rules(args.rules), args.tier, _forward(args))
+    select(planning.plans, None)
+    if args.json:
+        print(json.dumps(plan_json(planning), indent=2, default=str))
+    else:
+        print(plan_table(planning))
+    return 0
+
+
+def cmd_apply(args) -> int:
+    import onnx
+
+    from backends.onnx.exporter import export_model
+    from engine.apply import apply
+
+    graph = _load(args)
+    result = apply(graph, _rules(args.rules), args.config, args.tier, _forward(args))
+    model = export_model(result.graph)
+    onnx.save(model, args.output)
+    inputs = Path(args.model).with_suffix(".inputs.npz")
+    if inputs.exists():
+        target = Path(args.output).with_suffix(".inputs.npz")
+        if target.resolve() != inputs.resolve():
+            target.write_bytes(inputs.read_bytes())
+    print(result.report())
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from engine.apply import plan
+    from engine.matcher import MatchContext, explain
+
+    graph = _load(args)
+    rules = _rules(args.rules)
+    planning = plan(graph, rules, args.tier, _forward(args))
+    if rules.rule(args.rule) is not None and planning.rules.rule(args.rule) is None:
+        tier = rules.rule(args.rule).tier
+        print(f"{args.rule} is in tier {tier!r}, which is not enabled; add --tier {tier}")
+        return 0
+    ctx = MatchContext(graph, planning.rules, planning.analysis)
+    refused = {id(r.match.root): r for r in planning.refusals if r.match.rule.name == args.rule}
+    planned = {id(region.match.root): p for p in planning.plans for region in p.occurrences
+               if region.match.rule.name == args.rule}
+    for item in explain(graph, planning.rules, args.rule, args.node, ctx):
+        if item.matched and item.node is not None and id(item.node) in refused:
+            reason = refused[id(item.node)].reason
+            print(f"{args.rule} matches at {item.node.name} ({item.node.op}) but does not fire:\n    {reason}")
+        elif item.matched and item.node is not None and id(item.node) in planned:
+            p = planned[id(item.node)]
+            print(f"{args.rule} fires at {item.node.name} ({item.node.op}): plan {p.config_string()}")
+        else:
+            print(item)
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from backends.onnx.feeds import feeds_for
+    from backends.onnx.runtime import max_relative_error, measure, run
+
+    feeds = feeds_for(args.model, args.inputs, _dims(args.dim))
+    base = measure(args.model, feeds, repeats=args.repeats, threads=args.threads)
+    print(f"{args.model}: peak {base.peak_mib:.1f} MiB above rest ({base.rest / 2**20:.1f} MiB), "
+          f"step {base.seconds * 1000:.1f} ms on {base.provider}")
+    if args.compare:
+        other = measure(args.compare, feeds, repeats=args.repeats, threads=args.threads)
+        err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds))
+        print(f"{args.compare}: peak {other.peak_mib:.1f} MiB above rest, step {other.seconds * 1000:.1f} ms")
+        print(f"peak ratio {other.peak_above_rest / base.peak_above_rest:.3f}, "
+              f"time ratio {other.seconds / base.seconds:.3f}, "
+              f"largest relative output difference {err:.2e} ({where})")
+    return 0
+
+
+def cmd_export_gpt(args) -> int:
+    from backends.models import GPTConfig
+    from backends.onnx.torch_export import export_gpt
+
+    cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                    seq=args.seq, batch=args.batch)
+    path, error = export_gpt(cfg, args.output, dynamic=args.dynamic)
+    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
+          f"(largest relative error {error:.2e})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from backends.demo import run_demo
+
+    return run_demo(args.workdir)
+
+
+def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:
+        p.add_argument("model", help="an ONNX training graph (forward + backward)")
+        p.add_argument("--dim", action="append", metavar="NAME=N",
+                       help="example value of a dynamic dim (repeatable)")
+        p.add_argument("--forward-output", action="append", metavar="NAME",
+                       help="a forward output (default: the first graph output, the loss)")
+    p.add_argument("--rules", nargs="+", metavar="PATH", help="rule files or folders (default: the shipped library)")
+    p.add_argument("--tier", action="append", default=[], metavar="TIER",
+                   help="enable an opt-in tier of rules, e.g. expensive (softmax, layer norm, matmul)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="remat", description="Declarative activation-memory rewrites.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check", help="compile rule files and report every error")
+    p.add_argument("rules", nargs="*", help="rule files or folders (default: the shipped library)")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("analyze", help="the plan table of a training graph")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_analyze)
+    p = sub.add_parser("apply", help="rewrite a training graph")
+    _common(p)
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--config", help="plan string KEY:TYPE:COUNT[,...], a JSON list, or a .json file")
+    p.set_defaults(fn=cmd_apply)
+    p = sub.add_parser("explain", help="why a rule fires or does not, node by node")
+    _common(p)
+    p.add_argument("--rule", required=True)
+    p.add_argument("--node", help="only this node (or the node producing this value)")
+    p.set_defaults(fn=cmd_explain)
+    p = sub.add_parser("measure", help="peak memory and step time in ONNX Runtime (separate process)")
+    p.add_argument("model")
+    p.add_argument("--inputs", help="an .npz of inputs (default: MODEL.inputs.npz, else generated)")
+    p.add_argument("--dim", action="append", metavar="NAME=N")
+    p.add_argument("--compare", metavar="OTHER.onnx", help="measure another model on the same inputs")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser("export-gpt", help="export the GPT-like training step of DESIGN.md to ONNX")
+    p.add_argument("-o", "--output", required=True)
+    for name, default in (("vocab", 4096), ("d-model", 256), ("layers", 4), ("heads", 4),
+                          ("seq", 512), ("batch", 8)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dynamic", action="store_true", help="keep batch and seq symbolic (dim_param)")
+    p.set_defaults(fn=cmd_export_gpt)
+    p = sub.add_parser("demo", help="export a small GPT step, plan, rewrite, measure, compare")
+    p.add_argument("--workdir", default="out/demo")
+    p.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except RuleCompileError as err:
+        print(err, file=sys.stderr)
+        return 1
+    except RematError as err:
+        print(f"remat: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # an internal error: say so, in one line, unless debugging
+        if os.environ.get("REMAT_DEBUG"):
+            raise
+        print(f"remat: internal error: {type(err).__name__}: {err} (set REMAT_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

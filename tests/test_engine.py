@@ -1,0 +1,264 @@
+"""The engine on hand-built IR graphs: analysis, matching, explanations, recompute, plans."""
+import pytest
+import sympy
+
+from dsl.loader import compile_text, load_rules
+from engine.analysis import analyze, estimate_peak
+from engine.apply import apply, plan
+from engine.errors import ConfigError, GraphError, RuleError
+from engine.ir import Graph, Node, Value
+from engine.matcher import MatchContext, explain, match
+from engine.plans import parse_config
+from engine.shapes import evaluate, symbol
+from ir_graphs import GraphBuilder, gelu_training_graph
+
+GELU_RULE = """
+view Reshape
+recomputable Reshape
+rule recompute_gelu {
+  match {
+    y = Gelu(x)
+    require saved(y) and bytes(y) >= 1 MiB
+  }
+  rewrite { recompute y }
+}
+"""
+
+
+def test_forward_backward_split_and_stash():
+    g = gelu_training_graph()
+    a = analyze(g)
+    names = {v.name for v in a.stashed}
+    assert names == {"h", "av"}  # x is an input and loss an output: neither is a stash cost
+    assert {n.name for n in g.nodes if a.is_forward(n)} == {"n_h", "n_a", "n_av", "n_y", "n_loss"}
+    assert a.stashed_bytes() == 2 * 4096 * symbol("batch")
+
+
+def test_forward_outputs_configurable_and_checked():
+    g = gelu_training_graph()
+    assert len(analyze(g, ["y"]).forward) == 4
+    with pytest.raises(GraphError, match="forward output.*nope.*not found"):
+        analyze(g, ["nope"])
+
+
+def test_peak_estimate_counts_views_as_aliases():
+    g = gelu_training_graph(examples={"batch": 4096})
+    act = 4096 * 1024 * 4
+    with_alias = estimate_peak(g, {"Reshape"})
+    live = {v.name for v in with_alias.live_at_peak}
+    assert "a" in live and "av" not in live, "the view is free and keeps its base alive"
+    without = estimate_peak(g)
+    assert "av" in {v.name for v in without.live_at_peak}
+    assert with_alias.peak_bytes % act == 0 and with_alias.peak_bytes >= 3 * act
+    assert estimate_peak(gelu_training_graph(examples={})).peak_bytes is None
+
+
+def test_verify_names_the_node():
+    x = Value("x", shape=(1,))
+    ghost = Value("ghost")
+    out = Value("y")
+    node = Node("Relu", [ghost], [out], name="bad_relu")
+    g = Graph([node], [x], [out])
+    with pytest.raises(GraphError, match=r"bad_relu \(Relu\) reads 'ghost'.*\n>> #0"):
+        g.verify()
+
+
+def test_match_through_view_and_guard_with_symbolic_bytes():
+    g = gelu_training_graph()
+    rules = compile_text(GELU_RULE, "g.rule")
+    found = match(g, rules)
+    assert [m.root.name for m in found] == ["n_a"]
+    assert found[0].bindings["x"].name == "h"
+
+
+def test_unproven_guard_does_not_fire_and_says_why():
+    g = gelu_training_graph(examples={})
+    rules = compile_text(GELU_RULE, "g.rule")
+    assert match(g, rules) == []
+    [why] = explain(g, rules, "recompute_gelu")
+    assert not why.matched
+    assert "g.rule:7:5" in str(why.reasons[0]) and "batch" in why.reasons[0].message
+    assert "no example value" in why.reasons[0].message
+
+
+def test_symbolic_guard_proven_without_examples():
+    g = gelu_training_graph(examples={})
+    rules = compile_text(GELU_RULE.replace(">= 1 MiB", ">= 4 KiB"), "g.rule")
+    assert len(match(g, rules)) == 1  # 4096*batch >= 4096 for every batch >= 1
+
+
+def test_explain_names_rule_line_and_failed_guard():
+    g = gelu_training_graph(examples={"batch": 1})
+    rules = compile_text(GELU_RULE, "g.rule")
+    [why] = explain(g, rules, "recompute_gelu")
+    text = str(why)
+    assert "does not match at n_a (Gelu)" in text
+    assert "g.rule:7:5" in text and "bytes(y) >= 1 MiB" in text and "4096*batch (= 4096" in text
+    with pytest.raises(RuleError, match="no rule named 'nope'"):
+        explain(g, rules, "nope")
+
+
+def test_alternatives_commutative_variadic_attributes_and_types():
+    b = GraphBuilder()
+    x = b.input("x", "float16", shape=(4, 8))
+    c = b.input("c", shape=(4, 8))
+    x32 = b.op("Cast", [x], dtype="float32", name="x32", to=__import__("engine.dtypes").dtypes.DType.FLOAT32)
+    m = b.op("Mul", [c, x32], name="m")
+    s = b.op("Softmax", [m], name="s", axis=-1)
+    cat = b.op("Concat", [s, c, c], shape=(12, 8), name="cat", axis=0)
+    g = b.graph([cat])
+    text = """
+rule r {
+  match {
+    x32 = Cast(x, to=float32)
+    s = Softmax|LogSoftmax(Mul{x32, _}, axis=-1)
+    y = Concat(s, rest...)
+    x : float16[4, ...]
+    require count(rest) == 2
+  }
+  rewrite { recompute y }
+}
+"""
+    [m_] = match(g, compile_text(text, "r.rule"))
+    assert m_.bindings["x"] is x and [v.name for v in m_.bindings["rest"]] == ["c", "c"]
+    for bad in ("axis=1", "to=float16", "x : float32", "x : float16[5, ...]", "count(rest) == 3"):
+        key = bad.split("=")[0].split(":")[0].split("(")[0].strip()
+        variant = text.replace({"axis": "axis=-1", "to": "to=float32", "x": "x : float16[4, ...]",
+                                "count": "count(rest) == 2"}[key], bad)
+        assert match(g, compile_text(variant, "r.rule")) == [], bad
+
+
+def test_attribute_default_from_schema_is_used():
+    b = GraphBuilder()
+    x = b.input("x", shape=(4, 8))
+    s = b.op("Softmax", [x], name="s")
+    g = b.graph([s])
+    g.nodes[0].meta["attr_defaults"] = {"axis": -1}
+    rules = compile_text("rule r {\n match {\n y = Softmax(x, axis=-1)\n }\n rewrite { recompute y }\n}\n")
+    assert len(match(g, rules)) == 1
+    g.nodes[0].meta["attr_defaults"] = {}
+    [why] = explain(g, rules, "r")
+    assert "has no attribute 'axis'" in why.reasons[0].message
+
+
+def test_rules_are_indexed_by_root_op():
+    rules = compile_text(GELU_RULE + "\nrule relu {\n match {\n y = Relu(x)\n }\n rewrite { recompute y }\n}\n")
+    index = rules.by_root_op()
+    assert set(index) == {"Gelu", "Relu"}
+
+
+def test_recompute_clones_before_first_backward_use_and_is_idempotent():
+    g = gelu_training_graph()
+    rules = compile_text(GELU_RULE, "g.rule")
+    result = apply(g, rules)
+    out = result.graph
+    out.verify()
+    [p] = result.plans
+    assert (p.key, p.type, p.frequency, p.applied) == ("Gelu+Reshape+", 1, 1, 1)
+    assert p.saving() == 4096 * symbol("batch")
+    assert evaluate(p.saving(), g.dim_examples) == 2 * 2**20
+    names = [n.name for n in out.nodes]
+    assert names.index("n_a_rc") < names.index("n_av_rc") < names.index("n_avt")
+    assert names.index("n_av_rc") > names.index("n_g")
+    assert {v.name for v in analyze(out).stashed} == {"h"}
+    assert [n.name for n in g.nodes] == [n.name for n in gelu_training_graph().nodes], "input untouched"
+    again = apply(out, rules)
+    assert again.plans == [] and len(again.graph.nodes) == len(out.nodes)
+
+
+def test_not_recomputable_producer_is_refused_with_reason():
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    h = b.op("MatMul", [x, b.input("w", shape=(1024, 1024), weight=True)], name="h")
+    s = b.op("Sigmoid", [b.op("Softmax", [h], name="sm")], name="s")
+    loss = b.op("ReduceSum", [s], shape=(), name="loss")
+    d = b.op("Mul", [b.op("Expand", [loss], shape=("batch", 1024), name="g"), s], name="d")
+    g = b.graph([loss, d])
+    rules = compile_text("rule r {\n match {\n y = Sigmoid(x)\n require saved(y)\n }\n rewrite { recompute y }\n}\n")
+    planning = plan(g, rules)
+    assert planning.plans == []
+    [refusal] = planning.refusals
+    assert "%sm is not stashed" in refusal.reason.message and "Softmax" in refusal.reason.message
+
+
+def test_nondeterministic_op_is_refused():
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    drop = b.op("Dropout", [x], name="drop")
+    s = b.op("Relu", [drop], name="s")
+    loss = b.op("ReduceSum", [s], shape=(), name="loss")
+    d = b.op("Mul", [b.op("Expand", [loss], shape=("batch", 1024), name="g"), s], name="d")
+    g = b.graph([loss, d])
+    rules = compile_text("nondeterministic Dropout\nrecomputable Dropout\nrule r {\n match {\n"
+                         " y = Relu(x)\n require saved(y)\n }\n rewrite { recompute y }\n}\n")
+    [refusal] = plan(g, rules).refusals
+    assert "nondeterministic" in refusal.reason.message and "n_drop" in refusal.reason.message
+
+
+def test_compromise_cast_reports_fraction_and_needs_config():
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    half = b.op("Cast", [b.op("Relu", [x], name="r")], dtype="float16", name="half")
+    wide = b.op("Cast", [half], dtype="float32", name="wide")
+    loss = b.op("ReduceSum", [wide], shape=(), name="loss")
+    d = b.op("Mul", [b.op("Expand", [loss], shape=("batch", 1024), name="g"), wide], name="d")
+    g = b.graph([loss, d])
+    rules = load_rules()
+    result = apply(g, rules)
+    [p] = result.plans
+    assert (p.key, p.type, p.requested, p.applied) == ("Cast+", 2, 0, 0)
+    assert p.kept_fraction() == 0.5 and p.saving() == 2048 * symbol("batch")
+    applied = apply(g, rules, config="Cast+:2:-1")
+    assert applied.plans[0].applied == 1
+    assert {v.name for v in analyze(applied.graph).stashed} == {"half"}
+
+
+def test_config_errors_list_the_plans():
+    g = gelu_training_graph()
+    rules = compile_text(GELU_RULE, "g.rule")
+    with pytest.raises(ConfigError, match=r"names no plan; the plans are:\n  Gelu\+Reshape\+:1:-1"):
+        apply(g, rules, config="Relu+:1:-1")
+    with pytest.raises(ConfigError, match="has type 1, not 2"):
+        apply(g, rules, config="Gelu+Reshape+:2:-1")
+    for bad, msg in (("Gelu+", "expected KEY:TYPE:COUNT"), ("A:x:1", "must be integers"),
+                     ("A:3:1", "TYPE 3 is not one of"), ("A:1:0", "COUNT must be"),
+                     ("[1, 2]", "list of"), ("[oops", "not valid JSON"), ("nofile.json", "cannot read")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_config(bad)
+
+
+def test_config_first_n_and_json(tmp_path):
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    outs = []
+    acts = []
+    h = x
+    for i in range(3):
+        h = b.op("Gelu", [h], name=f"a{i}")
+        acts.append(h)
+    loss = b.op("ReduceSum", [h], shape=(), name="loss")
+    g0 = b.op("Expand", [loss], shape=("batch", 1024), name="g")
+    for i, a in enumerate(acts):
+        outs.append(b.op("Mul", [g0, a], name=f"d{i}"))
+    g = b.graph([loss, *outs])
+    rules = compile_text(GELU_RULE, "g.rule")
+    assert apply(g, rules, config="Gelu+:1:2").plans[0].applied == 2
+    path = tmp_path / "plans.json"
+    path.write_text('["Gelu+:1:-1"]')
+    assert apply(g, rules, config=str(path)).plans[0].applied == 3
+
+
+def test_tiers_gate_rules_and_growth():
+    rules = load_rules()
+    with pytest.raises(RuleError, match="unknown tier"):
+        plan(gelu_training_graph(), rules, ["cheap"])
+    assert {r.tier for r in rules.enabled([]).rules} == {"default"}
+    assert "MatMul" not in rules.enabled([]).recomputable
+    assert rules.enabled(["expensive"]).recomputable["MatMul"] == "expensive"
+
+
+def test_shapes_formula_and_examples():
+    batch, seq = symbol("batch"), symbol("seq")
+    assert evaluate(640 * batch * seq**2, {"batch": 2, "seq": 3}) == 640 * 18
+    assert evaluate(batch * seq, {"batch": 2}) is None
+    assert isinstance(640 * batch, sympy.Expr)
