@@ -82,14 +82,19 @@ def analyze(graph: Graph, forward_outputs: Sequence[str] | None = None) -> Analy
                     min(backward_positions, default=len(graph.nodes)), constant)
 
 
+# Ops whose result depends on their input's shape, never its data.
+SHAPE_OPS = frozenset({"Shape", "Size", "aten::sym_size", "aten::sym_numel"})
+
+
 def constant_values(graph: Graph) -> set[int]:
-    """Ids of values that depend on no graph input: weights excluded, since they are inputs to
-    a training step in the exported graphs, and Constant nodes and what is computed from them."""
+    """Ids of values that do not depend on tensor data: Constant nodes, shapes (SHAPE_OPS), and
+    what is computed from those alone. They are tiny and readable anywhere, so a recompute
+    region reads them instead of recomputing them."""
     constant: set[int] = set()
     for node in graph.nodes:
         if node.subgraphs:
             continue
-        if all(id(v) in constant for v in node.present_inputs()):
+        if node.op in SHAPE_OPS or all(id(v) in constant for v in node.present_inputs()):
             constant.update(id(o) for o in node.outputs)
     return constant
 

@@ -49,7 +49,7 @@ def test_peak_estimate_counts_views_as_aliases():
     assert "a" in live and "av" not in live, "the view is free and keeps its base alive"
     without = estimate_peak(g)
     assert "av" in {v.name for v in without.live_at_peak}
-    assert with_alias.peak_bytes % act == 0 and with_alias.peak_bytes >= 3 * act
+    assert with_alias.peak_bytes == 4 * act + 4  # h, a (through av), g, avt and the scalar loss
     assert estimate_peak(gelu_training_graph(examples={})).peak_bytes is None
 
 
