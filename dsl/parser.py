@@ -224,9 +224,7 @@ class _Builder(Transformer):
 
     def attr_number(self, children):
         tok = children[0]
-        text = str(tok)
-        value = float(text) if any(c in text for c in ".eE") else int(text)
-        return ast.AttrValue("number", value, self._loc(tok))
+        return ast.AttrValue("number", _number(str(tok)), self._loc(tok))
 
     def attr_string(self, children):
         tok = children[0]
@@ -297,16 +295,16 @@ class _Builder(Transformer):
 
     @v_args(meta=True)
     def or_expr(self, meta, children):
-        return self._fold(meta, "or", children)
+        return self._left_fold(meta, children, ["or"] * (len(children) - 1))
 
     @v_args(meta=True)
     def and_expr(self, meta, children):
-        return self._fold(meta, "and", children)
+        return self._left_fold(meta, children, ["and"] * (len(children) - 1))
 
-    def _fold(self, meta, op, children):
-        result = children[0]
-        for child in children[1:]:
-            result = self._expr(meta, "binop", op, [result, child])
+    def _left_fold(self, meta, operands, operators):
+        result = operands[0]
+        for op, rhs in zip(operators, operands[1:]):
+            result = self._expr(meta, "binop", str(op), [result, rhs])
         return result
 
     @v_args(meta=True)
@@ -319,15 +317,9 @@ class _Builder(Transformer):
 
     @v_args(meta=True)
     def sum(self, meta, children):
-        return self._arith(meta, children)
+        return self._left_fold(meta, children[0::2], children[1::2])
 
     product = sum
-
-    def _arith(self, meta, children):
-        result = children[0]
-        for op, rhs in zip(children[1::2], children[2::2]):
-            result = self._expr(meta, "binop", str(op), [result, rhs])
-        return result
 
     @v_args(meta=True)
     def neg(self, meta, children):
@@ -335,10 +327,8 @@ class _Builder(Transformer):
 
     @v_args(meta=True)
     def number(self, meta, children):
-        text = str(children[0])
-        value = float(text) if any(c in text for c in ".eE") else int(text)
         unit = self._named(children[1]) if len(children) > 1 else None
-        return self._expr(meta, "number", value, unit=unit)
+        return self._expr(meta, "number", _number(str(children[0])), unit=unit)
 
     @v_args(meta=True)
     def call(self, meta, children):
@@ -351,6 +341,10 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def string(self, meta, children):
         return self._expr(meta, "string", _unquote(str(children[0])))
+
+
+def _number(text: str) -> int | float:
+    return float(text) if any(c in text for c in ".eE") else int(text)
 
 
 def _unquote(text: str) -> str:

@@ -140,9 +140,8 @@ def _compile_node(pat: NodePattern):
     variadic = pat.variadic
     commutative = pat.commutative
     arg_fns = [_compile_arg(a) for a in pat.args]
-    checked = [(k, fn) for k, (a, fn) in enumerate(zip(pat.args, arg_fns)) if not isinstance(a, Wildcard)]
-    only = checked[0] if len(checked) == 1 else None
-    pair = (checked[0], checked[1]) if len(checked) == 2 else None
+    apply_args = _args_applier([(k, fn) for k, (a, fn) in enumerate(zip(pat.args, arg_fns))
+                                if not isinstance(a, Wildcard)])
 
     def fail_op(node: Node) -> _Fail:
         return _Fail(pat.location, f"`{pat.text}` needs op {'|'.join(sorted(ops))}, "
@@ -167,12 +166,7 @@ def _compile_node(pat: NodePattern):
         for i, name in outputs:
             if i >= len(node_outputs):
                 raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {len(node_outputs)} output(s)")
-            value = node_outputs[i]
-            have = bindings.get(name, _MISSING)
-            if have is _MISSING:
-                bindings[name] = value
-            elif have is not value:
-                _bind(bindings, name, value, pat.location)
+            _bind(bindings, name, node_outputs[i], pat.location)
         matched.append(node)
         inputs = node.inputs
         if len(inputs) > n_args and inputs[-1] is None:
@@ -191,15 +185,7 @@ def _compile_node(pat: NodePattern):
             raise _Fail(pat.location, f"`{pat.text}`: {node.name} has {len(inputs)} input(s), "
                                       f"the pattern {n_args}")
         if not commutative:
-            if pair is not None:
-                (i0, f0), (i1, f1) = pair
-                f0(inputs[i0], bindings, matched)
-                f1(inputs[i1], bindings, matched)
-            elif only is not None:
-                only[1](inputs[only[0]], bindings, matched)
-            else:
-                for k, fn in checked:
-                    fn(inputs[k], bindings, matched)
+            apply_args(inputs, bindings, matched)
             return
         first_error: _Fail | None = None
         for order in (inputs[:n_args], inputs[:n_args][::-1]):
@@ -225,21 +211,32 @@ def _compile_node(pat: NodePattern):
             match_node(node, bindings, matched)  # trailing missing inputs, or a mismatch to report
             return
         if out_name is not None:
-            value = node.outputs[0]
-            have = bindings.get(out_name, _MISSING)
-            if have is _MISSING:
-                bindings[out_name] = value
-            elif have is not value:
-                _bind(bindings, out_name, value, pat.location)
+            _bind(bindings, out_name, node.outputs[0], pat.location)
         matched.append(node)
-        if pair is not None:
-            (i0, f0), (i1, f1) = pair
-            f0(inputs[i0], bindings, matched)
-            f1(inputs[i1], bindings, matched)
-        elif only is not None:
-            only[1](inputs[only[0]], bindings, matched)
+        apply_args(inputs, bindings, matched)
 
     return match_simple if simple else match_node
+
+
+def _args_applier(checked: list[tuple[int, Any]]):
+    """Apply the argument matchers of a non-commutative pattern; unrolled for one and two."""
+    if len(checked) == 2:
+        (i0, f0), (i1, f1) = checked
+
+        def two(inputs, bindings, matched):
+            f0(inputs[i0], bindings, matched)
+            f1(inputs[i1], bindings, matched)
+
+        return two
+    if len(checked) == 1:
+        (i0, f0), = checked
+        return lambda inputs, bindings, matched: f0(inputs[i0], bindings, matched)
+
+    def many(inputs, bindings, matched):
+        for k, fn in checked:
+            fn(inputs[k], bindings, matched)
+
+    return many
 
 
 def _compile_arg(arg: Any):
