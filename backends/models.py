@@ -24,7 +24,7 @@ class GPTConfig:
     batch: int = 8
 
 
-DEMO_CONFIG = GPTConfig(vocab=1024, d_model=128, layers=2, heads=4, seq=128, batch=4)
+DEMO_CONFIG = GPTConfig(vocab=2048, d_model=128, layers=2, heads=4, seq=256, batch=8)
 DESIGN_CONFIG = GPTConfig()
 
 

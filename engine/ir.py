@@ -18,7 +18,7 @@ from .errors import GraphError
 from .shapes import Dim, format_shape, numel, simplify
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Value:
     """An SSA value. `data` holds a constant's payload (opaque to the engine)."""
 
@@ -51,7 +51,7 @@ class Value:
         return f"Value({self.name}: {self.type_str})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     op: str
     inputs: list[Value | None]

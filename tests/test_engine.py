@@ -262,3 +262,46 @@ def test_shapes_formula_and_examples():
     assert evaluate(640 * batch * seq**2, {"batch": 2, "seq": 3}) == 640 * 18
     assert evaluate(batch * seq, {"batch": 2}) is None
     assert isinstance(640 * batch, sympy.Expr)
+
+
+def _dropout_graph(mask_kept_for_backward: bool) -> Graph:
+    """Dropout as the torch export decomposes it: a random draw, a mask, a scaled multiply."""
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    noise = b.op("RandomUniformLike", [x], name="noise")
+    mask = b.op("Greater", [noise, b.input("p", shape=(), weight=True)], dtype="bool", name="mask")
+    y = b.op("Mul", [x, b.op("Cast", [mask], dtype="float32", name="maskf")], name="y")
+    loss = b.op("ReduceSum", [y], shape=(), name="loss")
+    g = b.op("Expand", [loss], shape=("batch", 1024), name="g")
+    outs = [b.op("Mul", [g, y], name="dy")]
+    if mask_kept_for_backward:
+        outs.append(b.op("Mul", [g, b.op("Cast", [mask], dtype="float32", name="maskb")], name="dx"))
+    return b.graph([loss, *outs])
+
+
+DROPOUT_RULES = """
+use std.ops
+rule recompute_scaled {
+  match {
+    y = Mul(x, m)
+    require saved(y)
+  }
+  rewrite { recompute y }
+}
+"""
+
+
+def test_dropout_replays_from_its_saved_mask():
+    rules = compile_text(DROPOUT_RULES, "d.rule")
+    result = apply(_dropout_graph(mask_kept_for_backward=True), rules)
+    [p] = result.plans
+    assert p.key == "Cast+Mul+" and p.applied == 1, "reads the kept mask: same random values"
+    assert not any(n.op == "RandomUniformLike" and n.name.endswith("_rc") for n in result.graph.nodes)
+
+
+def test_dropout_without_saved_mask_is_refused():
+    rules = compile_text(DROPOUT_RULES, "d.rule")
+    planning = plan(_dropout_graph(mask_kept_for_backward=False), rules)
+    assert planning.plans == []
+    assert "RandomUniformLike" in planning.refusals[0].reason.message
+    assert "nondeterministic" in planning.refusals[0].reason.message

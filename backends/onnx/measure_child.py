@@ -20,7 +20,7 @@ def _status_kib(field: str) -> int:
 def main(model_path: str, feeds_path: str, repeats: int, threads: int) -> None:
     from backends.onnx.runtime import make_session
 
-    session = make_session(model_path, threads=threads, arena=False)
+    session = make_session(model_path, threads=threads, arena=False, cpu_only=True)
     wanted = {i.name for i in session.get_inputs()}
     with np.load(feeds_path) as data:
         feeds = {k: data[k] for k in data.files if k in wanted}

@@ -6,6 +6,8 @@ process with MALLOC_MMAP_THRESHOLD_=65536 (so freed buffers go back to the OS),
 after the measured run. The session is the default one (all graph
 optimizations, CSE included) with only the CPU arena turned off, because an
 arena keeps its high-water mark and would hide what the graph itself needs.
+Measurement uses the CPU provider, whose memory is the process's; `run` uses
+CUDA when ONNX Runtime has it.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def providers() -> list[str]:
 
 
 def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: bool = True,
-                 disable_cse: bool = False) -> ort.InferenceSession:
+                 disable_cse: bool = False, cpu_only: bool = False) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -41,7 +43,8 @@ def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: b
                                          "CommonSubexpressionElimination")
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     try:
-        return ort.InferenceSession(source, options, providers=providers())
+        return ort.InferenceSession(source, options,
+                                    providers=["CPUExecutionProvider"] if cpu_only else providers())
     except Exception as exc:
         raise RematError(f"ONNX Runtime could not load the model: {exc}") from None
 
