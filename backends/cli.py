@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`remat analyze ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as err:  # an internal error: say so, in one line, unless debugging
         if os.environ.get("REMAT_DEBUG"):
             raise

@@ -76,7 +76,7 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
                       f"{format_bytes(evaluate(total, examples))} of stash"
                       + (f" = {format_dim(total)}" if not isinstance(total, int) else "")]
         if result.peak_before is not None and result.peak_after is not None:
-            lines.append(f"Estimated peak (schedule order, no aliasing): "
+            lines.append(f"Estimated peak (in schedule order, views aliased): "
                          f"{format_bytes(result.peak_before)} -> {format_bytes(result.peak_after)}")
     if planning.refusals:
         lines += ["", f"{len(planning.refusals)} match(es) refused (see `remat explain`)."]

@@ -105,3 +105,15 @@ def test_explain_says_why_a_rule_does_not_fire(mlp):
     r = remat("explain", mlp, "--rule", "recompute_activation")
     assert "fires at" in r.stdout and "Gelu+:1:-1" in r.stdout
     assert "matches at" in r.stdout and "but does not fire" in r.stdout and "not declared recomputable" in r.stdout
+
+
+def test_measure_with_relative_paths_from_another_directory(mlp, tmp_path):
+    import shutil
+
+    shutil.copy(mlp, tmp_path / "m.onnx")
+    shutil.copy(mlp.with_suffix(".inputs.npz"), tmp_path / "m.inputs.npz")
+    r = remat("measure", "m.onnx", "--repeats", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("m.onnx: peak ") and "MiB above rest" in r.stdout
+    r = remat("measure", "missing.onnx", cwd=tmp_path)
+    assert r.returncode == 1 and "missing.onnx: no such file" in r.stderr and "Traceback" not in r.stderr

@@ -40,4 +40,10 @@ def main(model_path: str, feeds_path: str, repeats: int, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    from engine.errors import RematError
+
+    try:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    except RematError as err:
+        print(err, file=sys.stderr)
+        sys.exit(1)

@@ -97,7 +97,9 @@ def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
         if isinstance(model, onnx.ModelProto):
             onnx.save(model, str(model_path))
         else:
-            model_path = Path(model)
+            model_path = Path(model).resolve()
+            if not model_path.exists():
+                raise RematError(f"{model}: no such file")
         feeds_path = Path(tmp) / "feeds.npz"
         np.savez(feeds_path, **feeds)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
