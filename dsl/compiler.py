@@ -144,12 +144,10 @@ class _RuleCompiler:
                     self.error(f"capture {target.name!r} is bound twice (first at {first})", target.loc)
                 else:
                     self.defined[target.name] = (i, k, target.loc)
-        referenced: set[int] = set()
-        for binding in decl.bindings:
-            self._collect_refs(binding.pattern, referenced)
-        for i, binding in enumerate(decl.bindings):
-            if i in referenced and not self._refers_to_other(binding, i):
-                referenced.discard(i)
+        # A statement is referenced when another one uses its captures (using its own is an error).
+        referenced = {self.defined[name][0] for i, b in enumerate(decl.bindings)
+                      for name in self._arg_names(b.pattern)
+                      if name in self.defined and self.defined[name][0] != i}
         roots = [i for i in range(len(decl.bindings)) if i not in referenced]
         if not roots:
             self.error("the match statements refer to each other in a cycle, so the pattern has no root",
@@ -176,14 +174,6 @@ class _RuleCompiler:
         return P.Rule(decl.name, root, types, guards, actions, decl.loc, decl.priority,
                       decl.tier or P.DEFAULT_TIER)
 
-    def _refers_to_other(self, binding: ast.Binding, index: int) -> bool:
-        """Whether some other statement uses this one's captures (a self-reference does not count)."""
-        names = {t.name for t in binding.targets if t.name}
-        for j, other in enumerate(self.decl.bindings):
-            if j != index and names & self._arg_names(other.pattern):
-                return True
-        return False
-
     def _arg_names(self, pat: ast.NodePat) -> set[str]:
         out = set()
         for arg in pat.args:
@@ -192,13 +182,6 @@ class _RuleCompiler:
             elif arg.kind == "nested":
                 out |= self._arg_names(arg.value)
         return out
-
-    def _collect_refs(self, pat: ast.NodePat, referenced: set[int]) -> None:
-        for arg in pat.args:
-            if arg.kind == "capture" and arg.name in self.defined:
-                referenced.add(self.defined[arg.name][0])
-            elif arg.kind == "nested":
-                self._collect_refs(arg.value, referenced)
 
     def _build(self, index: int) -> P.NodePattern | None:
         if index in self.built:
@@ -219,7 +202,7 @@ class _RuleCompiler:
         args: list[P.Arg] = []
         attrs: dict[str, Any] = {}
         variadic = None
-        for i, arg in enumerate(pat.args):
+        for arg in pat.args:
             if variadic is not None and arg.kind != "attr":
                 self.error("a variadic capture `xs...` must be the last input", arg.loc)
             if arg.kind == "attr":

@@ -34,9 +34,6 @@ class Analysis:
     def __post_init__(self) -> None:
         self._stashed_ids = {id(v) for v in self.stashed}
 
-    def backward_users(self, value: Value) -> list[Node]:
-        return [u for u in value.users if id(u) not in self.forward]
-
     def stashed_bytes(self) -> Dim:
         return simplify(sum((v.nbytes or 0) for v in self.stashed))
 

@@ -31,8 +31,9 @@ class Planning:
     tiers: tuple[str, ...] = ()
 
 
-def _ordered(matches: list[Match], analysis: Analysis) -> list[Match]:
-    return sorted(matches, key=lambda m: (-m.rule.priority, m.rule.order, analysis.position[id(m.root)]))
+def _priority(match: Match, analysis: Analysis) -> tuple[int, int, int]:
+    """Higher priority first, then file order, then schedule order: who claims a value first."""
+    return -match.rule.priority, match.rule.order, analysis.position[id(match.root)]
 
 
 def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
@@ -48,7 +49,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     state = StashState.of(analysis)
     plans: dict[tuple[str, int], Plan] = {}
     refusals = []
-    for m in _ordered(match(graph, enabled, context=ctx), analysis):
+    for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
         region = grow(m, ctx, state)
         if isinstance(region, Reason):
             refusals.append(Refusal(m, region))
@@ -100,8 +101,7 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     state = StashState.of(analysis)
     rewriter = Rewriter(work, state)
     applied = []
-    for p, region in sorted(chosen, key=lambda pr: (-pr[1].match.rule.priority, pr[1].match.rule.order,
-                                                    analysis.position[id(pr[1].match.root)])):
+    for p, region in sorted(chosen, key=lambda pr: _priority(pr[1].match, analysis)):
         fresh = grow(region.match, ctx, state)
         if isinstance(fresh, Reason):
             planning.refusals.append(Refusal(region.match, fresh))

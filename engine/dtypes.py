@@ -27,10 +27,6 @@ class DType(Enum):
     def itemsize(self) -> int:
         return self.value[1]
 
-    @property
-    def is_float(self) -> bool:
-        return self.type_name.startswith(("float", "bfloat"))
-
     def __str__(self) -> str:
         return self.type_name
 

@@ -115,9 +115,6 @@ class Graph:
                 seen.add(id(v))
                 yield v
 
-    def value_map(self) -> dict[str, Value]:
-        return {v.name: v for v in self.values()}
-
     def node_index(self) -> dict[int, int]:
         """Position of each node (keyed by id) in the schedule."""
         return {id(n): i for i, n in enumerate(self.nodes)}

@@ -17,7 +17,7 @@ from .dtypes import DType
 from .errors import SourceLocation
 from .guards import Unproven, decide, describe, evaluate_expr
 from .ir import Graph, Node, Value
-from .patterns import (CaptureRef, Expr, NodePattern, OutputRef, Rule, RuleSet, TypePattern,
+from .patterns import (CaptureRef, Expr, NodePattern, Rule, RuleSet, TypePattern,
                        Wildcard)
 from .shapes import format_shape
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .shapes import Dim, evaluate, simplify
+from .shapes import Dim, simplify
 from .strategies.recompute import Region
 
 TYPE_NAMES = {1: "Recompute", 2: "RecomputeWithCompromise"}
@@ -127,7 +127,3 @@ def select(plans: list[Plan], config: list[ConfigEntry] | None) -> None:
                                   f"{same_key[0].type}, not {entry.type}; the plans are:\n{listing}")
             raise ConfigError(f"{entry.source} names no plan; the plans are:\n{listing}")
         plan.requested = entry.count
-
-
-def saving_bytes(plan: Plan, examples: dict[str, int], count: int | None = None) -> int | None:
-    return evaluate(plan.saving(count), examples)

@@ -64,8 +64,8 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
         f"Stashed activations: {len(planning.analysis.stashed)} values, "
         f"{format_bytes(evaluate(stash, examples))}"
         + (f" = {format_dim(stash)}" if not isinstance(stash, int) else ""),
-        f"Dims: " + (", ".join(f"{k}={v}" for k, v in sorted(examples.items())) or "all static"),
-        f"Tiers: default" + "".join(f", {t}" for t in planning.tiers),
+        "Dims: " + (", ".join(f"{k}={v}" for k, v in sorted(examples.items())) or "all static"),
+        "Tiers: default" + "".join(f", {t}" for t in planning.tiers),
         "",
         _table(["Plan", "Type", "Status", "Config", "Freq", "Saved", "Saving (formula)"], body)
         if body else "No plans: no rule found a stashed activation it can recompute.",

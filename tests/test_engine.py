@@ -7,7 +7,7 @@ from engine.analysis import analyze, estimate_peak
 from engine.apply import apply, plan
 from engine.errors import ConfigError, GraphError, RuleError
 from engine.ir import Graph, Node, Value
-from engine.matcher import MatchContext, explain, match
+from engine.matcher import explain, match
 from engine.plans import parse_config
 from engine.shapes import evaluate, symbol
 from ir_graphs import GraphBuilder, gelu_training_graph

@@ -1,7 +1,6 @@
 """The ONNX backend: import/export, CSE-proof clones in a default session, measurement."""
 import collections
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest

@@ -1,6 +1,5 @@
 """Hypothesis properties: rewrites keep every output; rewritten graphs verify; apply is
 idempotent; the parser raises nothing but its own error; configs fail only cleanly."""
-import numpy as np
 from hypothesis import given, strategies as st
 
 from backends.onnx.exporter import export_model

@@ -21,12 +21,12 @@ from onnx import helper
 from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
 from engine.shapes import format_dim, is_static
+from engine.strategies.recompute import RECOMPUTE_REGION
 
 from .dtypes import DTYPE_ATTRIBUTES, to_onnx
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
 from .ort_schedule import schedule_for_onnxruntime
 
-RECOMPUTE_REGION = "recompute_region"
 
 
 def export_model(graph: Graph, base: onnx.ModelProto | None = None,
