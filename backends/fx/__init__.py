@@ -1,0 +1,41 @@
+"""The torch backend: ATen joint graphs (forward + backward) in the shared IR.
+
+`analyze(model, example_inputs)` traces one training step of `model` (which returns the
+loss) and prints the same plan table as `remat analyze` prints for ONNX graphs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+
+def joint_graph(model, example_inputs: Sequence):
+    """One training step of `model(*example_inputs) -> loss` as an ATen fx graph
+    (core decompositions), outputs (loss, *gradients)."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from backends.onnx.torch_export import _step_fn
+
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach().clone() for _, p in model.named_parameters()]
+    step = _step_fn(model, names, len(example_inputs))
+    return make_fx(step, decomposition_table=core_aten_decompositions())(*example_inputs, *params)
+
+
+def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None = None,
+            tiers: Iterable[str] = (), show: bool = True):
+    """The plans the rules offer on `model`'s training step; prints the table unless show=False."""
+    from dsl.loader import load_rules
+    from engine.apply import plan
+    from engine.plans import select
+    from engine.report import plan_table
+
+    from .importer import import_fx
+
+    graph = import_fx(joint_graph(model, example_inputs))
+    planning = plan(graph, load_rules(rules), tiers)
+    select(planning.plans, None)
+    if show:
+        print(plan_table(planning))
+    return planning
