@@ -5,6 +5,7 @@ torch = pytest.importorskip("torch")
 
 import backends.fx as fx_backend  # noqa: E402
 from backends.fx.importer import import_fx  # noqa: E402
+from backends.fx.saved import training_step  # noqa: E402
 from backends.models import GPTConfig, gpt  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
@@ -56,3 +57,46 @@ def test_same_rules_same_plans_on_both_backends(model):
     fx_keys, onnx_keys = normalized(fx_plans), normalized(onnx_plans)
     assert len(fx_keys) >= 8
     assert fx_keys == onnx_keys
+
+
+SMALL = GPTConfig(vocab=256, d_model=64, layers=2, heads=4, seq=128, batch=4)
+
+
+@pytest.fixture
+def no_compile_caches():
+    """So the joint-graph pass runs in this test, whatever an earlier run left cached."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def test_compiled_with_remat_matches_eager_and_saves_less(no_compile_caches):
+    model = gpt(SMALL)
+    eager_loss, eager_grads, _ = training_step(model, model)
+    _, _, inductor_saved = training_step(model, torch.compile(model))
+    torch._dynamo.reset()
+    remat = fx_backend.backend(tiers=["expensive"])
+    loss, grads, saved = training_step(model, torch.compile(model, backend=remat))
+    assert float((loss - eager_loss).abs() / eager_loss.abs()) <= 1e-4
+    for g, e in zip(grads, eager_grads):
+        assert float((g - e).abs().max() / e.abs().max().clamp_min(1e-12)) <= 1e-4
+    [result] = remat.remat_pass.results
+    applied = {p.key for p in result.plans if p.applied}
+    assert {"Gelu+Reshape+", "MatMul+Reshape+Mul+Where+Softmax+"} <= applied
+    assert saved < 0.8 * inductor_saved, (saved, inductor_saved)
+
+
+def test_registered_backend_and_cache_key(no_compile_caches):
+    from backends.fx.compile import RematPass
+
+    model = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2))
+    loss = torch.compile(model, backend="remat")(*model.example_inputs())
+    assert torch.isfinite(loss)
+    rules = load_rules()
+    keys = {RematPass(rules).uuid(), RematPass(rules, "Gelu+:1:-1").uuid(),
+            RematPass(rules, tiers=["expensive"]).uuid()}
+    assert len(keys) == 3 and RematPass(rules).uuid() == RematPass(load_rules()).uuid()

@@ -9,6 +9,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
+def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), report=None):
+    """A configured torch.compile backend (see backends.fx.compile)."""
+    from .compile import backend as make_backend
+
+    return make_backend(rules, config, tiers, report)
+
+
 def joint_graph(model, example_inputs: Sequence):
     """One training step of `model(*example_inputs) -> loss` as an ATen fx graph
     (core decompositions), outputs (loss, *gradients)."""

@@ -1,4 +1,11 @@
-"""A torch.fx graph of ATen ops (a joint forward + backward graph) -> the shared IR."""
+"""A torch.fx graph of ATen ops (a joint forward + backward graph) -> the shared IR.
+
+Inductor decomposes ops like gelu and layer_norm into chains of pointwise nodes before
+the joint graph exists; each of those nodes keeps `meta["original_aten"]` and the
+autograd `seq_nr` of the op it came from. Nodes of one decomposed op instance become
+one IR node named after the original op, so `y = Gelu(x)` matches on both backends;
+`meta["fx_nodes"]` lists the fx nodes an IR node stands for.
+"""
 from __future__ import annotations
 
 import operator
@@ -32,65 +39,143 @@ def _value(name: str, example: Any) -> Value:
     return Value(name)
 
 
-def _op_name(target: Any) -> tuple[str, str]:
-    """(IR op, native ATen name) for an fx call_function target."""
+def _base_name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
-    base = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
-    native = f"aten::{base}"
-    return ATEN_TO_ONNX.get(base, native), native
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
 
 
-def import_fx(gm: fx.GraphModule, forward_outputs: int = 1) -> Graph:
-    """Placeholders become inputs, the output tuple the outputs (its first `forward_outputs`
-    are the forward part's outputs: the loss)."""
-    values: dict[fx.Node, list[Value] | Value] = {}
-    inputs, nodes = [], []
-    for fx_node in gm.graph.nodes:
+def _group_key(node: fx.Node) -> tuple | None:
+    """Nodes that one decomposed op instance became share this key; None for an undecomposed node."""
+    original = node.meta.get("original_aten")
+    if original is None or original == node.target or node.meta.get("seq_nr") is None:
+        return None
+    if _base_name(original) not in ATEN_TO_ONNX:
+        return None
+    # By name: the joint graph's nodes may hold distinct, unequal copies of the same OpOverload.
+    return str(original), node.meta["seq_nr"], node.meta.get("partitioner_tag")
+
+
+def _numel(v: Value) -> int:
+    try:
+        n = 1
+        for d in v.shape or ():
+            n *= int(d)
+        return n
+    except TypeError:
+        return 0
+
+
+def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = None) -> Graph:
+    """Placeholders become inputs and the output tuple the outputs. The forward outputs are the
+    first `forward_outputs` outputs, or, when None, those a forward-tagged node produces (the
+    partitioner's tags in a joint graph), else the first (the loss)."""
+    graph = source.graph if isinstance(source, fx.GraphModule) else source
+    values: dict[fx.Node, Any] = {}
+    inputs: list[Value] = []
+    nodes: list[Node] = []
+    groups: dict[tuple, Node] = {}
+    group_members: dict[tuple, list[fx.Node]] = {}
+    for fx_node in graph.nodes:
+        if fx_node.op == "call_function" and fx_node.target is not operator.getitem:
+            key = _group_key(fx_node)
+            if key is not None:
+                group_members.setdefault(key, []).append(fx_node)
+    member_of = {n: key for key, members in group_members.items() for n in members}
+    for fx_node in graph.nodes:  # unpacking a member's tuple belongs to the member's group
+        if fx_node.op == "call_function" and fx_node.target is operator.getitem and fx_node.args[0] in member_of:
+            key = member_of[fx_node.args[0]]
+            group_members[key].append(fx_node)
+            member_of[fx_node] = key
+    # Values produced inside a group and read outside it (or returned) are the group's outputs.
+    returned = {a for n in graph.nodes if n.op == "output" for a in _flat_nodes(n.args)}
+
+    for fx_node in graph.nodes:
         example = fx_node.meta.get("val")
         if fx_node.op == "placeholder":
             v = _value(fx_node.name, example)
             v.is_input = True
             values[fx_node] = v
             inputs.append(v)
-        elif fx_node.op == "call_function" and fx_node.target is operator.getitem:
-            source, index = fx_node.args
-            outs = values[source]
+        elif fx_node.op == "call_function" and fx_node.target is operator.getitem and fx_node not in member_of:
+            source_node, index = fx_node.args
+            outs = values.get(source_node)
             if not isinstance(outs, list) or index >= len(outs):
-                raise GraphError(f"{fx_node.name}: getitem {index} of {source.name}, which has no such output")
+                raise GraphError(f"{fx_node.name}: getitem {index} of {source_node.name}, which has no such output")
             outs[index].name = fx_node.name
             values[fx_node] = outs[index]
+        elif fx_node.op == "call_function" and fx_node in member_of:
+            key = member_of[fx_node]
+            if key in groups:
+                continue
+            members = group_members[key]
+            member_set = set(members)
+            outside_inputs: list[Value] = []
+            for m in members:
+                for arg in _flat_nodes(m.args) + _flat_nodes(m.kwargs):
+                    if arg not in member_set and arg in values and values[arg] not in outside_inputs:
+                        outside_inputs.append(values[arg])
+            produced = [m for m in members if m in returned or any(u not in member_set for u in m.users)]
+            outs = [_value(m.name, m.meta.get("val")) for m in produced]
+            order = sorted(range(len(outs)), key=lambda i: -_numel(outs[i]))
+            outs = [outs[i] for i in order]
+            produced = [produced[i] for i in order]
+            base = _base_name(members[0].meta["original_aten"])
+            node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, {}, produced[0].name if produced else members[0].name,
+                        meta={"native_op": f"aten::{base}", "fx_nodes": [m.name for m in members]})
+            for m, v in zip(produced, outs):
+                values[m] = v
+            groups[key] = node
+            nodes.append(node)
         elif fx_node.op == "call_function":
-            op, native = _op_name(fx_node.target)
-            tensor_args, attrs = [], {}
-            renames = ATTRIBUTE_ARGS.get(native.split("::")[1], {})
-            for i, arg in enumerate(fx_node.args):
-                if isinstance(arg, fx.Node):
-                    tensor_args.append(values[arg])
-                elif isinstance(arg, (list, tuple)) and arg and all(isinstance(a, fx.Node) for a in arg):
-                    tensor_args.extend(values[a] for a in arg)
-                else:
-                    attrs[renames.get(i, f"arg{i}")] = arg
-            for key, arg in fx_node.kwargs.items():
-                if isinstance(arg, fx.Node):
-                    tensor_args.append(values[arg])
-                elif key == "dtype" and arg in _DTYPES:
-                    attrs["to"] = _DTYPES[arg]
-                else:
-                    attrs[key] = arg
-            if isinstance(example, (list, tuple)):
-                outs = [_value(f"{fx_node.name}_{k}", e) for k, e in enumerate(example)]
-            else:
-                outs = [_value(fx_node.name, example)]
-            original = fx_node.meta.get("original_aten")  # what Inductor's decompositions came from
-            if original is not None:
-                native = f"aten::{getattr(original, '_opname', str(original).split('.')[-2])}"
-            meta = {"native_op": native, "fx_node": fx_node.name}
-            nodes.append(Node(op, tensor_args, outs, attrs, fx_node.name, meta=meta))
-            values[fx_node] = outs if isinstance(example, (list, tuple)) else outs[0]
+            nodes.append(_plain_node(fx_node, values))
         elif fx_node.op == "output":
-            outputs = [values[a] for a in fx_node.args[0] if isinstance(a, fx.Node)]
-            graph = Graph(nodes, inputs, outputs, [], name="joint")
-            graph.meta["forward_outputs"] = [v.name for v in outputs[:forward_outputs]]
-            graph.verify()
-            return graph
+            outputs = [values[a] for a in _flat_nodes(fx_node.args)]
+            result = Graph(nodes, inputs, outputs, [], name="joint")
+            result.meta["forward_outputs"] = _forward_outputs(graph, fx_node, values, forward_outputs)
+            result.verify()
+            return result
     raise GraphError("the fx graph has no output node")
+
+
+def _flat_nodes(args: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(args, lambda n: out.append(n))
+    return out
+
+
+def _plain_node(fx_node: fx.Node, values: dict) -> Node:
+    example = fx_node.meta.get("val")
+    base = _base_name(fx_node.target)
+    op = ATEN_TO_ONNX.get(base, f"aten::{base}")
+    tensor_args, attrs = [], {}
+    renames = ATTRIBUTE_ARGS.get(base, {})
+    for i, arg in enumerate(fx_node.args):
+        if isinstance(arg, fx.Node):
+            tensor_args.append(values[arg])
+        elif isinstance(arg, (list, tuple)) and arg and all(isinstance(a, fx.Node) for a in arg):
+            tensor_args.extend(values[a] for a in arg)
+        else:
+            attrs[renames.get(i, f"arg{i}")] = arg
+    for key, arg in fx_node.kwargs.items():
+        if isinstance(arg, fx.Node):
+            tensor_args.append(values[arg])
+        elif key == "dtype" and arg in _DTYPES:
+            attrs["to"] = _DTYPES[arg]
+        else:
+            attrs[key] = arg
+    if isinstance(example, (list, tuple)):
+        outs = [_value(f"{fx_node.name}_{k}", e) for k, e in enumerate(example)]
+        values[fx_node] = outs
+    else:
+        outs = [_value(fx_node.name, example)]
+        values[fx_node] = outs[0]
+    return Node(op, tensor_args, outs, attrs, fx_node.name,
+                meta={"native_op": f"aten::{base}", "fx_nodes": [fx_node.name]})
+
+
+def _forward_outputs(graph: fx.Graph, output: fx.Node, values: dict, count: int | None) -> list[str]:
+    args = _flat_nodes(output.args)
+    if count is not None:
+        return [values[a].name for a in args[:count]]
+    tagged = [values[a].name for a in args if a.meta.get("partitioner_tag") == "is_forward"]
+    return tagged or [values[args[0]].name]

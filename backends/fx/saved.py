@@ -1,0 +1,25 @@
+"""What a training step keeps for backward, seen through autograd's saved-tensor hooks.
+
+Every tensor a compiled forward saves for its backward passes the pack hook, so this is
+a direct check of what the partitioner decided to save, not an estimate.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def training_step(model: torch.nn.Module, compiled) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Run `compiled(*model.example_inputs())` forward and backward: loss, gradients, bytes saved."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(*model.example_inputs())
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads, sum(saved)
