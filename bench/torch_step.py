@@ -1,0 +1,144 @@
+"""One training step of DESIGN.md's GPT-like model under torch, each configuration in its own process.
+
+Configurations: eager, per-block torch.utils.checkpoint, torch.compile (Inductor), the
+partitioner's activation_memory_budget at 0.5 and 0.1, and torch.compile(backend="remat")
+with the shipped rules (default tier, and --tier expensive). Peak is the whole process's
+VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, clear_refs),
+as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Loss and gradients are
+compared with eager. Prints the table, then the remat/compile peak ratio last.
+
+    python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "remat", "remat-expensive"]
+
+
+def child(name: str, args) -> dict:
+    import torch
+    import torch.utils.checkpoint
+
+    sys.path.insert(0, str(ROOT))
+    import backends.fx as fx_backend
+    from backends.models import GPTConfig, gpt
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
+                    heads=args.heads, seq=args.seq)
+    model = gpt(cfg).to(device)
+    inputs = [t.to(device) for t in model.example_inputs()]
+    if name == "checkpoint":
+        for block in model.blocks:
+            block.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(
+                block.forward)
+    fn = model
+    if name == "compile":
+        fn = torch.compile(model)
+    elif name.startswith("budget-"):
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = float(name.split("-")[1])
+        fn = torch.compile(model)
+    elif name == "remat":
+        fn = torch.compile(model, backend="remat")
+    elif name == "remat-expensive":
+        fn = torch.compile(model, backend=fx_backend.backend(tiers=["expensive"], config=args.remat_config))
+
+    def step():
+        loss = fn(*inputs)
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        return loss.detach(), grads
+
+    step()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    begin = time.perf_counter()
+    loss, grads = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    times = [seconds]
+    for _ in range(args.repeats - 1):
+        begin = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        rest = start / 2**20
+    else:
+        status = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/self/status") if ":" in l and l.split()[1:2] and l.split()[1].isdigit()}
+        peak, rest = status["VmHWM"] / 1024, None
+    torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
+    return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for flag, default in (("vocab", 4096), ("batch", 8), ("layers", 4), ("d-model", 256), ("heads", 4),
+                          ("seq", 512), ("threads", 2), ("repeats", 3)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS)
+    ap.add_argument("--child")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/remat-torch-step"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+    import torch
+
+    rows = {}
+    for name in args.configs:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name], env=env,
+                              capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            print(f"{name}: failed\n{proc.stderr[-1500:]}")
+            continue
+        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
+    base = rows.get("compile")
+    unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"
+    print(f"GPT-like: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
+          f"seq {args.seq}; {args.device}, {args.threads} threads; peak in {unit}")
+    print(f"{'configuration':18}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}{'max rel err vs eager':>22}")
+    for name, r in rows.items():
+        err = ""
+        if ref is not None:
+            got = torch.load(args.out / f"{name}.pt")
+            pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
+            err = f"{max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs):.1e}"
+        ratio = f"{r['peak'] / base['peak']:.3f}" if base else ""
+        tratio = f"{r['seconds'] / base['seconds']:.3f}" if base else ""
+        print(f"{name:18}{r['peak']:>10.1f}{ratio:>10}{r['seconds']:>9.3f}{tratio:>10}{err:>22}")
+    best = "remat-expensive" if "remat-expensive" in rows else "remat"
+    if base and best in rows:
+        print(f"{best} / compile peak:")
+        print(f"{rows[best]['peak'] / base['peak']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
