@@ -2,6 +2,8 @@
 idempotent; the parser raises nothing but its own error; configs fail only cleanly."""
 from hypothesis import given, strategies as st
 
+from pathlib import Path
+
 from backends.onnx.exporter import export_model
 from backends.onnx.importer import import_model
 from backends.onnx.runtime import max_relative_error, run
@@ -13,6 +15,7 @@ from engine.plans import parse_config
 from training_graphs import ACTIVATIONS, Layer, build_mlp
 
 RULES = load_rules()
+SMALL_RULES = load_rules(Path(__file__).parent / "rules" / "small.rule")
 
 layers = st.lists(st.builds(Layer, st.sampled_from([8, 16, 48]), st.sampled_from(ACTIVATIONS), st.booleans()),
                   min_size=1, max_size=4)
@@ -25,7 +28,7 @@ def test_rewrite_keeps_outputs_and_gradients(layers, d_in, batch, seq, tiers, co
     rules = RULES
     graph = import_model(model)
     # Small shapes: lower every size threshold so the rules fire on these graphs.
-    small = compile_text(_SMALL_RULES, "small.rule")
+    small = SMALL_RULES
     for ruleset in (small, rules):
         result = apply(graph, ruleset, tiers=tiers)
         if compromise:
@@ -48,38 +51,6 @@ def test_rewrite_keeps_outputs_and_gradients(layers, d_in, batch, seq, tiers, co
         assert len(again.graph.nodes) == len(result.graph.nodes)
 
 
-_SMALL_RULES = """
-use std.ops
-rule small_activation priority 20 {
-  match {
-    y = Activation(x)
-    require saved(y)
-  }
-  rewrite { recompute y }
-}
-rule small_softmax priority 15 tier expensive {
-  match {
-    y = SoftmaxOp(x, rest...)
-    require saved(y)
-  }
-  rewrite { recompute y }
-}
-rule small_widening_cast priority 30 {
-  match {
-    y = Cast(x)
-    x : float16
-    require saved(y)
-  }
-  rewrite { recompute y from x }
-}
-rule small_layout priority 10 {
-  match {
-    y = Layout(x, rest...)
-    require saved(y)
-  }
-  rewrite { recompute y }
-}
-"""
 
 
 @given(st.text(max_size=200))
