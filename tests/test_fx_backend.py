@@ -100,3 +100,30 @@ def test_registered_backend_and_cache_key(no_compile_caches):
     keys = {RematPass(rules).uuid(), RematPass(rules, "Gelu+:1:-1").uuid(),
             RematPass(rules, tiers=["expensive"]).uuid()}
     assert len(keys) == 3 and RematPass(rules).uuid() == RematPass(load_rules()).uuid()
+
+
+def _decomposed(with_outside_read_inside: bool):
+    """gelu decomposed into exp and mul (same original_aten and seq_nr); optionally the mul also
+    reads a value produced between the two members."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4)
+    group = {"original_aten": torch.ops.aten.gelu.default, "seq_nr": 7, "partitioner_tag": "is_forward"}
+    a = g.call_function(torch.ops.aten.exp.default, (x,))
+    a.meta.update(val=torch.randn(4), **group)
+    other = g.call_function(torch.ops.aten.neg.default, (x,))
+    other.meta["val"] = torch.randn(4)
+    c = g.call_function(torch.ops.aten.mul.Tensor, (a, other if with_outside_read_inside else x))
+    c.meta.update(val=torch.randn(4), **group)
+    out = g.call_function(torch.ops.aten.add.Tensor, (c, other))
+    out.meta["val"] = torch.randn(4)
+    g.output((out,))
+    return g
+
+
+def test_decomposed_op_folds_into_one_node_only_when_contiguous():
+    folded = import_fx(_decomposed(False))
+    assert [n.op for n in folded.nodes] == ["Gelu", "Neg", "Add"]
+    assert folded.nodes[0].meta["fx_nodes"] == ["exp_default", "mul_tensor"]
+    kept = import_fx(_decomposed(True))
+    assert [n.op for n in kept.nodes] == ["Exp", "Neg", "Mul", "Add"]

@@ -86,6 +86,20 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             key = member_of[fx_node.args[0]]
             group_members[key].append(fx_node)
             member_of[fx_node] = key
+    # A group becomes one node at its first member's place, so it must be contiguous in effect:
+    # what it reads is produced before it, and what reads it comes after it. Otherwise its
+    # nodes are imported one by one.
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for key, members in list(group_members.items()):
+        member_set = set(members)
+        first, last = min(position[m] for m in members), max(position[m] for m in members)
+        reads_later = any(position[a] > first for m in members for a in _flat_nodes((m.args, m.kwargs))
+                          if a not in member_set)
+        read_early = any(position[u] < last for m in members for u in m.users if u not in member_set)
+        if reads_later or read_early:
+            del group_members[key]
+            for m in members:
+                member_of.pop(m, None)
     # Values produced inside a group and read outside it (or returned) are the group's outputs.
     returned = {a for n in graph.nodes if n.op == "output" for a in _flat_nodes(n.args)}
 
@@ -111,8 +125,8 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             member_set = set(members)
             outside_inputs: list[Value] = []
             for m in members:
-                for arg in _flat_nodes(m.args) + _flat_nodes(m.kwargs):
-                    if arg not in member_set and arg in values and values[arg] not in outside_inputs:
+                for arg in _flat_nodes((m.args, m.kwargs)):
+                    if arg not in member_set and values[arg] not in outside_inputs:
                         outside_inputs.append(values[arg])
             produced = [m for m in members if m in returned or any(u not in member_set for u in m.users)]
             outs = [_value(m.name, m.meta.get("val")) for m in produced]
