@@ -51,7 +51,7 @@ def torch_demo(cfg) -> float:
     import torch
 
     import backends.fx as fx_backend
-    from backends.fx.saved import training_step
+    from backends.fx.saved import relative_error, training_step
     from backends.models import gpt
 
     print("\n== torch.compile (Inductor on CPU), same model, same rules (--tier expensive)")
@@ -67,7 +67,7 @@ def torch_demo(cfg) -> float:
     # Without caches, so the pass runs and its plans can be counted here (a cached graph is correct too).
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         _, grads, remat_saved = training_step(model, torch.compile(model, backend=remat))
-    err = max(float((g - e).abs().max() / e.abs().max().clamp_min(1e-12)) for g, e in zip(grads, eager))
+    err = max(relative_error(g, e) for g, e in zip(grads, eager))
     applied = sum(p.applied for r in remat.remat_pass.results for p in r.plans)
     print(f"{'':30}{'saved for backward':>20}")
     print(f"{'eager':30}{eager_saved / 2**20:>16.1f} MiB")

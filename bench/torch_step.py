@@ -110,6 +110,9 @@ def main() -> None:
         return
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from backends.fx.saved import relative_error
+
     rows = {}
     for name in args.configs:
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -130,7 +133,7 @@ def main() -> None:
         if ref is not None:
             got = torch.load(args.out / f"{name}.pt")
             pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
-            err = f"{max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs):.1e}"
+            err = f"{max(relative_error(a, b) for a, b in pairs):.1e}"
         ratio = f"{r['peak'] / base['peak']:.3f}" if base else ""
         tratio = f"{r['seconds'] / base['seconds']:.3f}" if base else ""
         print(f"{name:18}{r['peak']:>10.1f}{ratio:>10}{r['seconds']:>9.3f}{tratio:>10}{err:>22}")

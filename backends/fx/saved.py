@@ -23,3 +23,8 @@ def training_step(model: torch.nn.Module, compiled) -> tuple[torch.Tensor, list[
     for p in model.parameters():
         p.grad = None
     return loss.detach(), grads, sum(saved)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| relative to the largest |want|: how the tests and benchmarks compare."""
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
