@@ -19,15 +19,9 @@ def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), re
 def joint_graph(model, example_inputs: Sequence):
     """One training step of `model(*example_inputs) -> loss` as an ATen fx graph
     (core decompositions), outputs (loss, *gradients)."""
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from backends.onnx.torch_export import trace_training_step
 
-    from backends.onnx.torch_export import _step_fn
-
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach().clone() for _, p in model.named_parameters()]
-    step = _step_fn(model, names, len(example_inputs))
-    return make_fx(step, decomposition_table=core_aten_decompositions())(*example_inputs, *params)
+    return trace_training_step(model, tuple(example_inputs)).graph
 
 
 def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None = None,

@@ -11,6 +11,7 @@ outputs are the loss then one gradient per parameter (`grad.<param>`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,30 @@ def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
     return step
 
 
+@dataclass
+class TracedStep:
+    """One training step traced to an ATen fx graph: inputs, then parameters, in; (loss, *grads) out."""
+
+    graph: torch.fx.GraphModule
+    step: Callable
+    names: list[str]
+    params: list[torch.Tensor]
+
+
+def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                        symbolic: bool = False) -> TracedStep:
+    """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
+    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; DESIGN.md)."""
+    names = [n for n, _ in module.named_parameters()]
+    params = [p.detach().clone() for _, p in module.named_parameters()]
+    step = _step_fn(module, names, len(inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = make_fx(step, decomposition_table=core_aten_decompositions(),
+                        tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
+    return TracedStep(graph, step, names, params)
+
+
 def _clean(name: str) -> str:
     return name.replace(".", "_")
 
@@ -60,10 +85,9 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     to every input of at least that rank); the example inputs' sizes become the model's
     example dim values, so savings print both as formulas and as bytes.
     """
-    names = [n for n, _ in module.named_parameters()]
-    params = [p.detach().clone() for _, p in module.named_parameters()]
+    traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
+    names, params, step = traced.names, traced.params, traced.step
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
-    step = _step_fn(module, names, len(inputs))
     dim_examples: dict[str, int] = {}
     dynamic_shapes = None
     if dynamic_dims:
@@ -79,10 +103,8 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         dynamic_shapes = tuple(specs) + tuple(None for _ in params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = make_fx(step, decomposition_table=core_aten_decompositions(),
-                         tracing_mode="symbolic" if dynamic_dims else "real")(*inputs, *params)
         program = torch.onnx.export(
-            traced, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
+            traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes,
             input_names=[*input_names, *(_clean(n) for n in names)],
             output_names=["loss", *(f"grad.{_clean(n)}" for n in names)])
