@@ -143,13 +143,12 @@ def cmd_demo(args) -> int:
     return run_demo(args.workdir)
 
 
-def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
-    if model:
-        p.add_argument("model", help="an ONNX training graph (forward + backward)")
-        p.add_argument("--dim", action="append", metavar="NAME=N",
-                       help="example value of a dynamic dim (repeatable)")
-        p.add_argument("--forward-output", action="append", metavar="NAME",
-                       help="a forward output (default: the first graph output, the loss)")
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an ONNX training graph (forward + backward)")
+    p.add_argument("--dim", action="append", metavar="NAME=N",
+                   help="example value of a dynamic dim (repeatable)")
+    p.add_argument("--forward-output", action="append", metavar="NAME",
+                   help="a forward output (default: the first graph output, the loss)")
     p.add_argument("--rules", nargs="+", metavar="PATH", help="rule files or folders (default: the shipped library)")
     p.add_argument("--tier", action="append", default=[], metavar="TIER",
                    help="enable an opt-in tier of rules, e.g. expensive (softmax, layer norm, matmul)")

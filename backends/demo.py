@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 
@@ -33,7 +34,7 @@ def run_demo(workdir: str | Path) -> int:
     print(result.report())
     out = workdir / "gpt_step.remat.onnx"
     onnx.save(export_model(result.graph), str(out))
-    feeds = dict(__import__("numpy").load(path.with_suffix(".inputs.npz")))
+    feeds = dict(np.load(path.with_suffix(".inputs.npz")))
     before, after = measure(path, feeds), measure(out, feeds)
     err, where = max_relative_error(run(out, feeds), run(path, feeds))
     print(f"\n== ONNX Runtime ({before.provider}, default session, arena off to measure)")

@@ -73,7 +73,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
     values: dict[fx.Node, Any] = {}
     inputs: list[Value] = []
     nodes: list[Node] = []
-    groups: dict[tuple, Node] = {}
+    emitted: set[tuple] = set()
     group_members: dict[tuple, list[fx.Node]] = {}
     for fx_node in graph.nodes:
         if fx_node.op == "call_function" and fx_node.target is not operator.getitem:
@@ -119,7 +119,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             values[fx_node] = outs[index]
         elif fx_node.op == "call_function" and fx_node in member_of:
             key = member_of[fx_node]
-            if key in groups:
+            if key in emitted:
                 continue
             members = group_members[key]
             member_set = set(members)
@@ -138,14 +138,14 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
                         meta={"native_op": f"aten::{base}", "fx_nodes": [m.name for m in members]})
             for m, v in zip(produced, outs):
                 values[m] = v
-            groups[key] = node
+            emitted.add(key)
             nodes.append(node)
         elif fx_node.op == "call_function":
             nodes.append(_plain_node(fx_node, values))
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
             result = Graph(nodes, inputs, outputs, [], name="joint")
-            result.meta["forward_outputs"] = _forward_outputs(graph, fx_node, values, forward_outputs)
+            result.meta["forward_outputs"] = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
             return result
     raise GraphError("the fx graph has no output node")
@@ -187,7 +187,7 @@ def _plain_node(fx_node: fx.Node, values: dict) -> Node:
                 meta={"native_op": f"aten::{base}", "fx_nodes": [fx_node.name]})
 
 
-def _forward_outputs(graph: fx.Graph, output: fx.Node, values: dict, count: int | None) -> list[str]:
+def _forward_outputs(output: fx.Node, values: dict, count: int | None) -> list[str]:
     args = _flat_nodes(output.args)
     if count is not None:
         return [values[a].name for a in args[:count]]
