@@ -28,12 +28,14 @@ class FamilyDecl:
 
 @dataclass
 class OpDecl:
-    """`op`, `recomputable`, `view` or `nondeterministic` followed by ops."""
+    """`op`, `recomputable`, `view`, `nondeterministic`, `chunkable KIND`,
+    `linear_in_gradient` or `additive_in_gradient` followed by ops."""
 
     kind: str
     ops: list[OpRef]
     loc: SourceLocation
     tier: str | None = None
+    detail: tuple[str, SourceLocation] | None = None    # the KIND of `chunkable KIND`
 
 
 @dataclass

@@ -14,6 +14,7 @@ from engine.dtypes import DType, dtype_names
 from engine.errors import SourceLocation
 from engine.guards import BUILTINS, CONSTANTS, SIZE_UNITS
 from engine.onnx_ops import ONNX_OPS
+from engine.strategies.chunk import CHUNK_KINDS
 
 from . import ast
 from .errors import Diagnostic, did_you_mean
@@ -32,6 +33,9 @@ class Scope:
     recomputable: dict[str, str] = field(default_factory=dict)
     views: set[str] = field(default_factory=set)
     nondeterministic: set[str] = field(default_factory=set)
+    chunkable: dict[str, str] = field(default_factory=dict)
+    linear_in_gradient: set[str] = field(default_factory=set)
+    additive_in_gradient: set[str] = field(default_factory=set)
     rule_names: dict[str, SourceLocation] = field(default_factory=dict)
 
 
@@ -65,11 +69,22 @@ class Compiler:
             if decl.kind == "op":
                 continue
             ops = self.resolve_ops(decl.ops)
+            if decl.kind == "chunkable" and decl.detail[0] not in CHUNK_KINDS:
+                self.error(f"unknown chunk kind {decl.detail[0]!r}", decl.detail[1],
+                           did_you_mean(decl.detail[0], set(CHUNK_KINDS)) or
+                           f"the kinds are: {', '.join(sorted(CHUNK_KINDS))}")
+                continue
             for op in ops:
                 if decl.kind == "recomputable":
                     self.scope.recomputable[op] = decl.tier or P.DEFAULT_TIER
                 elif decl.kind == "view":
                     self.scope.views.add(op)
+                elif decl.kind == "chunkable":
+                    self.scope.chunkable[op] = decl.detail[0]
+                elif decl.kind == "linear_in_gradient":
+                    self.scope.linear_in_gradient.add(op)
+                elif decl.kind == "additive_in_gradient":
+                    self.scope.additive_in_gradient.add(op)
                 else:
                     self.scope.nondeterministic.add(op)
 
@@ -340,12 +355,10 @@ class _RuleCompiler:
     def _actions(self, captures: set[str]) -> list[P.Action]:
         actions: list[P.Action] = []
         for action in self.decl.actions:
-            if isinstance(action, ast.ChunkAction):
-                self.error("the chunk action is not supported by this version of remat", action.loc,
-                           "chunking is planned; use recompute rules for now")
-                continue
-            names = ([action.target, *action.sources] if isinstance(action, ast.RecomputeAction)
-                     else action.names)
+            if isinstance(action, ast.RecomputeAction):
+                names = [action.target, *action.sources]
+            else:
+                names = action.names
             bad = [(n, loc) for n, loc in names if n not in captures]
             for name, loc in bad:
                 self.error(f"unknown capture {name!r}", loc,
@@ -355,8 +368,17 @@ class _RuleCompiler:
                 continue
             if isinstance(action, ast.RecomputeAction):
                 actions.append(P.Recompute(action.target[0], [n for n, _ in action.sources], action.loc))
+            elif isinstance(action, ast.ChunkAction):
+                count = self._expr(action.count, captures)
+                if count is not None:
+                    actions.append(P.Chunk([n for n, _ in action.names], action.dim, count, action.loc))
             else:
                 actions.append(P.Save([n for n, _ in action.names], action.loc))
+        chunk = next((a for a in actions if isinstance(a, P.Chunk)), None)
+        if chunk is not None and len(actions) > 1:
+            self.error("a chunk rule cannot also recompute or save", chunk.location,
+                       "put the recompute in a rule of its own")
+            return []
         return actions
 
 

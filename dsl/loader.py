@@ -135,4 +135,6 @@ def _compile(loader: _Loader) -> RuleSet:
         digest.update(name.encode() + b"\0" + loader.sources[name].encode() + b"\0")
     scope = compiler.scope
     return RuleSet(compiler.rules, dict(scope.recomputable), frozenset(scope.views),
-                   frozenset(scope.nondeterministic), sorted(loader.sources), digest.hexdigest())
+                   frozenset(scope.nondeterministic), sorted(loader.sources), digest.hexdigest(),
+                   dict(scope.chunkable), frozenset(scope.linear_in_gradient),
+                   frozenset(scope.additive_in_gradient))

@@ -145,6 +145,8 @@ class _Builder(Transformer):
     def _op_decl(kind):  # noqa: N805 - a small factory used at class creation
         @v_args(meta=True)
         def build(self, meta, children):
+            if kind == "chunkable":
+                return ast.OpDecl(kind, children[1], self._loc(meta), detail=self._named(children[0]))
             tier = children[1] if len(children) > 1 else None
             return ast.OpDecl(kind, children[0], self._loc(meta), tier)
 
@@ -154,6 +156,9 @@ class _Builder(Transformer):
     recomputable_decl = _op_decl("recomputable")
     view_decl = _op_decl("view")
     nondet_decl = _op_decl("nondeterministic")
+    chunkable_decl = _op_decl("chunkable")
+    linear_decl = _op_decl("linear_in_gradient")
+    additive_decl = _op_decl("additive_in_gradient")
 
     @v_args(meta=True)
     def rule(self, meta, children):

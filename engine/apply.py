@@ -10,6 +10,7 @@ from .ir import Graph
 from .matcher import Match, MatchContext, Reason, match
 from .patterns import RuleSet
 from .plans import ConfigEntry, Plan, parse_config, select
+from .strategies.chunk import ChunkRegion, grow_chunk
 from .strategies.recompute import Region, Rewriter, StashState, grow
 
 
@@ -50,11 +51,12 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     plans: dict[tuple[str, int], Plan] = {}
     refusals = []
     for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
-        region = grow(m, ctx, state)
+        region = grow_chunk(m, ctx) if m.rule.plan_type == 3 else grow(m, ctx, state)
         if isinstance(region, Reason):
             refusals.append(Refusal(m, region))
             continue
-        state.claimed.update(id(t) for t in region.targets)
+        if isinstance(region, Region):
+            state.claimed.update(id(t) for t in region.targets)
         key = (region.key, region.plan_type)
         plans.setdefault(key, Plan(region.key, region.plan_type)).occurrences.append(region)
     for p in plans.values():
@@ -70,6 +72,7 @@ class Result:
     applied: list[Region]
     peak_before: int | None
     peak_after: int | None
+    chunks: list[ChunkRegion] = field(default_factory=list)   # selected chunk plans: a backend builds them
 
     @property
     def plans(self) -> list[Plan]:
@@ -83,7 +86,9 @@ class Result:
 
 def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
           tiers: Iterable[str] = (), forward_outputs: list[str] | None = None) -> Result:
-    """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied."""
+    """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied, and
+    every chunk plan (type 3) is selected. Chunk plans are built by the backend that owns the
+    graph (backends.fx.chunk): they are returned in `Result.chunks`, not rewritten here."""
     if not isinstance(rules, RuleSet):
         raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
     entries = parse_config(config) if isinstance(config, str) else config
@@ -101,6 +106,8 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     state = StashState.of(analysis)
     rewriter = Rewriter(work, state)
     applied = []
+    chunks = [r for p, r in chosen if p.type == 3]
+    chosen = [(p, r) for p, r in chosen if p.type != 3]
     for p, region in sorted(chosen, key=lambda pr: _priority(pr[1].match, analysis)):
         fresh = grow(region.match, ctx, state)
         if isinstance(fresh, Reason):
@@ -112,4 +119,4 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     result_graph = rewriter.finish()
     result_graph.verify()
     return Result(result_graph, planning, applied, peak_before,
-                  estimate_peak(result_graph, rules.views).peak_bytes)
+                  estimate_peak(result_graph, rules.views).peak_bytes, chunks)

@@ -8,7 +8,7 @@ no rule roots at costs one dict lookup (the tinygrad/UPat idea).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import DType
@@ -107,7 +107,18 @@ class Save:
     location: SourceLocation
 
 
-Action = Recompute | Save
+@dataclass
+class Chunk:
+    """`chunk over a, b along DIM into COUNT`: run the region that grows from the `over`
+    values in COUNT slices of them along DIM (engine.strategies.chunk)."""
+
+    captures: list[str]
+    dim: int
+    count: "Expr"
+    location: SourceLocation
+
+
+Action = Recompute | Save | Chunk
 
 
 @dataclass
@@ -124,7 +135,9 @@ class Rule:
 
     @property
     def plan_type(self) -> int:
-        """1 recompute, 2 recompute with compromise (a new stash)."""
+        """1 recompute, 2 recompute with compromise (a new stash), 3 chunk."""
+        if any(isinstance(a, Chunk) for a in self.actions):
+            return 3
         for a in self.actions:
             if isinstance(a, Save) or (isinstance(a, Recompute) and a.sources):
                 return 2
@@ -149,6 +162,9 @@ class RuleSet:
     nondeterministic: frozenset[str] = frozenset()
     sources: list[str] = field(default_factory=list)             # files, for reports and cache keys
     digest: str = ""                                             # content hash of the rule sources
+    chunkable: dict[str, str] = field(default_factory=dict)      # op -> how chunk dims propagate
+    linear_in_gradient: frozenset[str] = frozenset()
+    additive_in_gradient: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._index: dict[str, list[Rule]] | None = None
@@ -168,9 +184,13 @@ class RuleSet:
     def enabled(self, tiers: Iterable[str]) -> "RuleSet":
         """The rules and recomputable ops of the given tiers (the default tier is always on)."""
         allowed = {DEFAULT_TIER, *tiers}
-        return RuleSet([r for r in self.rules if r.tier in allowed],
-                       {op: t for op, t in self.recomputable.items() if t in allowed},
-                       self.views, self.nondeterministic, self.sources, self.digest)
+        return replace(self, rules=[r for r in self.rules if r.tier in allowed],
+                       recomputable={op: t for op, t in self.recomputable.items() if t in allowed})
+
+    def of_types(self, types: Iterable[int]) -> "RuleSet":
+        """The same facts with only the rules of the given plan types (3: chunk rules)."""
+        wanted = set(types)
+        return replace(self, rules=[r for r in self.rules if r.plan_type in wanted])
 
     def tiers(self) -> set[str]:
         return {r.tier for r in self.rules} | set(self.recomputable.values())

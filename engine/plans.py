@@ -13,16 +13,17 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .shapes import Dim, simplify
+from .strategies.chunk import ChunkRegion
 from .strategies.recompute import Region
 
-TYPE_NAMES = {1: "Recompute", 2: "RecomputeWithCompromise"}
+TYPE_NAMES = {1: "Recompute", 2: "RecomputeWithCompromise", 3: "Chunk"}
 
 
 @dataclass
 class Plan:
     key: str
     type: int
-    occurrences: list[Region] = field(default_factory=list)
+    occurrences: list[Region | ChunkRegion] = field(default_factory=list)
     requested: int = 0          # 0 off, -1 all, N first N
     applied: int = 0
 
@@ -110,10 +111,10 @@ def parse_config(text: str, source: str = "config") -> list[ConfigEntry]:
 
 
 def select(plans: list[Plan], config: list[ConfigEntry] | None) -> None:
-    """Set each plan's requested count. With no config every type-1 plan is on."""
+    """Set each plan's requested count. With no config every type-1 and type-3 plan is on."""
     if config is None:
         for p in plans:
-            p.requested = -1 if p.type == 1 else 0
+            p.requested = -1 if p.type in (1, 3) else 0
         return
     by_key = {(p.key, p.type): p for p in plans}
     for entry in config:

@@ -221,7 +221,7 @@ def test_config_errors_list_the_plans():
     with pytest.raises(ConfigError, match="has type 1, not 2"):
         apply(g, rules, config="Gelu+Reshape+:2:-1")
     for bad, msg in (("Gelu+", "expected KEY:TYPE:COUNT"), ("A:x:1", "must be integers"),
-                     ("A:3:1", "TYPE 3 is not one of"), ("A:1:0", "COUNT must be"),
+                     ("A:4:1", "TYPE 4 is not one of"), ("A:1:0", "COUNT must be"),
                      ("[1, 2]", "list of"), ("[oops", "not valid JSON"), ("nofile.json", "cannot read")):
         with pytest.raises(ConfigError, match=msg):
             parse_config(bad)

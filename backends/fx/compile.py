@@ -10,6 +10,7 @@ with other rules.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,8 +22,27 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dsl.loader import load_rules
 from engine.apply import Result, apply
 from engine.patterns import RuleSet
+from engine.plans import parse_config
+
+from .chunk import apply_chunk
 
 from .importer import import_fx
+
+
+MAX_CHUNK_SITES = 16
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A hash of remat's own source (engine, dsl, fx backend): a cached graph compiled by an
+    older remat must not be served to a newer one."""
+    root = Path(__file__).resolve().parent.parent.parent
+    digest = hashlib.sha256()
+    for package in ("engine", "dsl", "backends/fx"):
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".lark"):
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 class RematPass(CustomGraphPass):
@@ -32,10 +52,21 @@ class RematPass(CustomGraphPass):
         self.config = config
         self.tiers = tuple(tiers)
         self.report = report
-        self.results: list[Result] = []
+        self.results: list[Result] = []          # recompute and compromise, per joint graph
+        self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
+        self.chunked = 0                         # chunk regions built
 
     def __call__(self, graph: fx.Graph) -> None:
-        result = apply(import_fx(graph), self.rules, self.config, self.tiers)
+        owner = graph.owning_module
+        if owner is not None and owner.meta.get("produced_by_chunker"):
+            return      # a chunk's body: Inductor runs the joint passes on it too
+        entries = parse_config(self.config) if self.config is not None else None
+        chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
+        recompute_entries = None if entries is None else [e for e in entries if e.type != 3]
+        chunk_rules = self.rules.of_types({3})
+        if chunk_rules.rules:
+            self._chunk(graph, chunk_rules, chunk_entries)
+        result = apply(import_fx(graph), self.rules.of_types({1, 2}), recompute_entries, self.tiers)
         by_name = {n.name: n for n in graph.nodes}
         for region in result.applied:
             for node in region.nodes:
@@ -45,8 +76,22 @@ class RematPass(CustomGraphPass):
         if self.report is not None:
             self.report(result.report())
 
+    def _chunk(self, graph: fx.Graph, rules: RuleSet, entries) -> None:
+        """Build chunk regions one at a time, re-planning on the rewritten graph after each
+        (a built region's nodes are gone, so it is not offered again)."""
+        for k in range(MAX_CHUNK_SITES):
+            result = apply(import_fx(graph, fold=False), rules, entries, self.tiers)
+            if k == 0:
+                self.chunk_results.append(result)
+                if self.report is not None:
+                    self.report(result.report())
+            if not result.chunks:
+                return
+            apply_chunk(graph, result.chunks[0], f"remat_chunk_{k}")
+            self.chunked += 1
+
     def uuid(self) -> str:
-        key = f"remat-pass-1|{self.rules.digest}|{self.config}|{','.join(self.tiers)}"
+        key = f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 

@@ -65,18 +65,23 @@ def _numel(v: Value) -> int:
         return 0
 
 
-def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = None) -> Graph:
+def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = None,
+              fold: bool = True) -> Graph:
     """Placeholders become inputs and the output tuple the outputs. The forward outputs are the
     first `forward_outputs` outputs, or, when None, those a forward-tagged node produces (the
-    partitioner's tags in a joint graph), else the first (the loss)."""
+    partitioner's tags in a joint graph), else the first (the loss). With `fold`, the nodes a
+    decomposition made of one ATen op become one node again; without it every fx node is one
+    IR node (what chunking needs: it slices the decomposed loss op by op). Placeholders named
+    `tangents_*` (the incoming gradients of a joint graph) get `meta["tangent"]`."""
     graph = source.graph if isinstance(source, fx.GraphModule) else source
     values: dict[fx.Node, Any] = {}
     inputs: list[Value] = []
+    attributes: list[Value] = []
     nodes: list[Node] = []
     emitted: set[tuple] = set()
     group_members: dict[tuple, list[fx.Node]] = {}
     for fx_node in graph.nodes:
-        if fx_node.op == "call_function" and fx_node.target is not operator.getitem:
+        if fold and fx_node.op == "call_function" and fx_node.target is not operator.getitem:
             key = _group_key(fx_node)
             if key is not None:
                 group_members.setdefault(key, []).append(fx_node)
@@ -108,8 +113,15 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
         if fx_node.op == "placeholder":
             v = _value(fx_node.name, example)
             v.is_input = True
+            if fx_node.name.startswith("tangents"):
+                v.meta["tangent"] = True
             values[fx_node] = v
             inputs.append(v)
+        elif fx_node.op == "get_attr":      # a module attribute: a chunk's subgraph, a constant
+            v = _value(fx_node.name, example)
+            v.is_initializer = True
+            values[fx_node] = v
+            attributes.append(v)
         elif fx_node.op == "call_function" and fx_node.target is operator.getitem and fx_node not in member_of:
             source_node, index = fx_node.args
             outs = values.get(source_node)
@@ -144,7 +156,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             nodes.append(_plain_node(fx_node, values))
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
-            result = Graph(nodes, inputs, outputs, [], name="joint")
+            result = Graph(nodes, inputs, outputs, attributes, name="joint")
             result.meta["forward_outputs"] = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
             return result

@@ -1,0 +1,195 @@
+"""Chunk regions on the ATen joint graph: one `invoke_subgraph` call per slice.
+
+The engine decides the region and each value's ChunkMeta (engine.strategies.chunk); this
+module builds it. The region's fx nodes are copied into a subgraph (one per distinct slice
+size, so shapes stay static), called once per slice with `invoke_subgraph` — Inductor
+compiles the body once and cannot fuse the slices back together, and `scan` is not used
+because its gradients are wrong when the body holds a matmul (DESIGN.md). Outputs sliced
+along a dim are concatenated, partial sums are added as the slices finish, and outputs
+computed with the incoming gradient as one are multiplied by it once. The nodes between the
+incoming gradient and the region are redone with a tensor of ones in its place, so nothing
+in the slices waits for backward and the partitioner keeps them in the forward graph.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch._dynamo.utils import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from engine.errors import GraphError
+from engine.strategies.chunk import ChunkRegion
+
+aten = torch.ops.aten
+
+# Where an op's target shape sits among its arguments: rewritten to the slice's size.
+_SHAPE_ARG = {aten.full.default: 0, aten.view.default: 1, aten._unsafe_view.default: 1,
+              aten.reshape.default: 1, aten.expand.default: 1, aten.zeros.default: 0,
+              aten.ones.default: 0, aten.empty.memory_format: 0}
+
+
+def _fx(node_name: str, by_name: dict[str, fx.Node]) -> fx.Node:
+    try:
+        return by_name[node_name]
+    except KeyError:
+        raise GraphError(f"chunk region names {node_name!r}, which the fx graph does not have") from None
+
+
+def _with_size(node: fx.Node, dim: int, size: int, env: dict[fx.Node, fx.Node], graph: fx.Graph) -> fx.Node:
+    """Copy `node` into `graph`, its target shape sliced to `size` along `dim`."""
+    position = _SHAPE_ARG.get(node.target)
+    if position is None:
+        raise GraphError(f"{node.name} ({node.target}) makes a sliced value from a shape remat cannot rewrite")
+    args = list(node.args)
+    shape = list(args[position])
+    if shape[dim] != -1:
+        shape[dim] = size
+    args[position] = shape
+    copy = graph.node_copy(node, lambda x: env[x])
+    copy.args = tuple(fx.node.map_arg(args, lambda x: env[x]))
+    return copy
+
+
+def _fake_slice(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    return t if dim is None else aten.slice.Tensor(t, dim, 0, size)
+
+
+def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
+    """Rewrite `graph` (owned by a GraphModule) so `region` runs slice by slice."""
+    gm = graph.owning_module
+    rank = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    body = [_fx(n.meta["fx_nodes"][0], by_name) for n in region.nodes]
+    meta_by_fx = {}
+    for ir_node, fx_node in zip(region.nodes, body):
+        meta_by_fx[fx_node] = region.meta_of(ir_node.outputs[0])
+    inputs = [_fx(v.name, by_name) for v in region.inputs]
+    input_meta = [region.meta_of(v) for v in region.inputs]
+    outputs = [_fx(v.name, by_name) for v in region.outputs]
+    output_meta = [region.meta_of(v) for v in region.outputs]
+    elided = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.elided}
+    tangent = _fx(region.tangent.name, by_name) if region.tangent is not None else None
+    out_node = next(n for n in graph.nodes if n.op == "output")
+
+    with graph.inserting_before(out_node):
+        unscaled: dict[fx.Node, fx.Node] = {}
+        if tangent is not None:
+            val = tangent.meta["val"]
+            ones = graph.call_function(aten.full.default, (list(val.shape), 1.0),
+                                       {"dtype": val.dtype, "device": val.device})
+            unscaled[tangent] = ones
+            for ir_node in region.tangent_chain:
+                fx_node = _fx(ir_node.meta["fx_nodes"][0], by_name)
+                unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
+        operands = [unscaled.get(x, x) for x in inputs]
+
+        subgraphs: dict[int, str] = {}
+        for size in sorted(set(region.chunks)):
+            sub = _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
+            attr = f"{name}_{len(subgraphs)}"
+            setattr(gm, attr, sub)
+            subgraphs[size] = attr
+
+        pieces: list[list[fx.Node]] = [[] for _ in outputs]
+        sums: list[fx.Node | None] = [None for _ in outputs]
+        start = 0
+        for size in region.chunks:
+            args = []
+            for x, m in zip(operands, input_meta):
+                args.append(x if m.dim is None else
+                            graph.call_function(aten.slice.Tensor, (x, m.dim, start, start + size)))
+            attr = subgraphs[size]
+            call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
+                                       (graph.get_attr(attr), attr, *args))
+            for k, m in enumerate(output_meta):
+                item = graph.call_function(operator.getitem, (call, k))
+                if m.need_sum:
+                    sums[k] = item if sums[k] is None else graph.call_function(aten.add.Tensor, (sums[k], item))
+                else:
+                    pieces[k].append(item)
+            start += size
+
+        for k, (orig, m) in enumerate(zip(outputs, output_meta)):
+            whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
+            if m.scaled:
+                whole = graph.call_function(aten.mul.Tensor, (whole, tangent))
+            orig.replace_all_uses_with(whole)
+
+    for fx_node in reversed(body):
+        if not fx_node.users:
+            graph.erase_node(fx_node)
+    for fx_node in reversed(list(unscaled)):
+        if fx_node is not tangent and not fx_node.users:
+            graph.erase_node(fx_node)
+    first = min(rank[n] for n in body)
+    _sort_near(graph, {n: (r, 0) for n, r in rank.items()}, (first, 1))
+    graph.lint()
+    _propagate_fake(gm)
+
+
+def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:
+    """Reorder `graph` topologically, each node as close to its old place as its inputs allow
+    (new nodes go where the region began). The partitioner and Inductor schedule the backward
+    from this order, so a global re-sort that drifts a weight gradient to the end would keep
+    recomputed activations alive until then."""
+    import heapq
+
+    nodes = list(graph.nodes)
+    seq = {n: k for k, n in enumerate(nodes)}
+    key = {n: (*rank.get(n, new_rank), seq[n]) for n in nodes}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(key[n], seq[n], n) for n in nodes if waiting[n] == 0 and n.op != "output"]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0 and u.op != "output":
+                heapq.heappush(ready, (key[u], seq[u], u))
+    if len(order) != len(nodes) - 1:
+        raise GraphError("chunking left a cycle in the fx graph")
+    output = next(n for n in nodes if n.op == "output")
+    placeholders = [n for n in order if n.op == "placeholder"]
+    for n in placeholders + [n for n in order if n.op != "placeholder"]:
+        output.prepend(n)
+
+
+def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> fx.GraphModule:
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x, m in zip(inputs, input_meta):
+        p = sub.placeholder(x.name)
+        p.meta["val"] = _fake_slice(x.meta["val"], m.dim, size)
+        env[x] = p
+    for fx_node in body:
+        m = meta_by_fx[fx_node]
+        if fx_node in elided:
+            env[fx_node] = env[fx_node.args[0]]
+        elif m.dim is not None and fx_node.target in _SHAPE_ARG:
+            env[fx_node] = _with_size(fx_node, m.dim, size, env, sub)
+        else:
+            env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    sub.eliminate_dead_code()
+    sub.lint()
+    module = fx.GraphModule(torch.nn.Module(), sub)
+    module.meta["produced_by_chunker"] = True
+    _propagate_fake(module)
+    return module
+
+
+def _propagate_fake(gm: fx.GraphModule) -> None:
+    """Fresh `meta["val"]` for every node: the partitioner and Inductor read them."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(vals)
+    FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*vals)
+    # torch 2.13 leaves the first call of a subgraph without `val` (its later calls get one);
+    # the getitems that unpack it have theirs.
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.higher_order.invoke_subgraph and node.meta.get("val") is None:
+            items = sorted((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])
+            node.meta["val"] = tuple(u.meta["val"] for u in items)

@@ -1,0 +1,549 @@
+"""Chunking: run a memory-amplifying region of a joint graph slice by slice.
+
+A chunk rule names the values to slice (`chunk over h along 0 into N`) at a match whose
+root amplifies them (the logits of `MatMul(h, w)`). The region grows from the root:
+
+- forward, to every node that reads a large region value (or makes a large value from a
+  region value), so the logits, their log-softmax and, on a joint graph, their gradient
+  all stay inside;
+- backward, to the producer of every large value a region node needs sliced (the zeros
+  `nll_loss_backward` scatters into), so no large value is built whole outside.
+
+How an op carries the chunk dim from its inputs to its output is not hard-coded per
+pattern: the rule files declare each op's kind (`chunkable pointwise Add, Mul`), and
+`dim_map` knows what each kind does with dims. Each region value gets a ChunkMeta:
+sliced along `dim` (the chunks are concatenated), a partial sum (`need_sum`: the chunks
+are added, as for a weight gradient), and `scaled` when it was computed with the incoming
+gradient replaced by one, so the gradient is applied once, after the chunks (the
+`scale_by` trick of Inductor's auto-chunker): that is what lets each chunk's backward run
+right after its forward, before the incoming gradient exists.
+
+Values the region reads but does not slice (weights, the global count of a mean over
+non-ignored labels) are computed outside it, whole, so a mean is divided by the global
+count, never by a chunk's. A region through an op with no declared kind, a dim an op
+cannot carry, or a gradient an op is not linear in, is refused with a reason naming the op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..guards import Unproven, evaluate_expr
+from ..ir import Graph, Node, Value
+from ..matcher import Match, MatchContext, Reason
+from ..patterns import Chunk
+from ..shapes import evaluate
+
+CHUNK_KINDS = {
+    "pointwise": "broadcasting elementwise: each output dim is the same dim of every input",
+    "matmul": "batch dims and rows from the first input, columns from the second; the "
+              "contracted dim is summed",
+    "transpose": "output dim i is input dim perm[i]",
+    "reshape": "a dim is kept where it has the same size after the same number of elements",
+    "sum": "a sum over axes: slicing a summed axis gives partial sums",
+    "reduce": "a reduction (max, mean) over axes: a reduced axis cannot be sliced",
+    "axis": "an op along one axis (softmax): every other dim can be sliced",
+    "unsqueeze": "inserts a dim of size 1",
+    "squeeze": "removes dims of size 1",
+    "gather_elements": "output dims follow the index; the data's other dims follow too",
+    "scatter_elements": "output dims follow the data; index and updates follow except the axis",
+    "fill": "a new tensor from a shape: sliced by writing the chunk's size into the shape",
+    "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
+}
+
+LARGE_FRACTION = 8      # a value is large when at least 1/8 of the root's output
+MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    dim: int | None = None       # sliced along this dim: the chunks are concatenated
+    need_sum: bool = False       # a partial sum: the chunks are added
+    scaled: bool = False         # computed with the incoming gradient as one: multiply once at the end
+
+
+@dataclass
+class DimMap:
+    """How one node's output dims relate to its inputs' dims."""
+
+    maps: list[dict[int, int]]                  # per input position: output dim -> input dim
+    summed: list[list[tuple[int, int]]] = field(default_factory=list)   # (input, dim) summed together
+    blocked: set[tuple[int, int]] = field(default_factory=set)          # (input, dim) never sliced
+
+
+@dataclass
+class ChunkRegion:
+    match: Match
+    nodes: list[Node]                           # in schedule order
+    meta: dict[int, ChunkMeta]                  # value id -> meta, for region values and inputs
+    inputs: list[Value]                         # read by the region from outside it
+    outputs: list[Value]                        # read outside the region
+    chunks: list[int]                           # the size of each slice along the chunk dim
+    tangent: Value | None = None                # the incoming gradient the scaled outputs get
+    tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
+    elided: list[Node] = field(default_factory=list)          # reshapes the slices skip
+
+    @property
+    def key(self) -> str:
+        return "".join(n.op_type + "+" for n in self.match.nodes)
+
+    @property
+    def plan_type(self) -> int:
+        return 3
+
+    @property
+    def targets(self) -> list[Value]:
+        """The amplified value that is no longer built whole."""
+        return [self.match.root.outputs[0]]
+
+    @property
+    def saved(self) -> Any:
+        """Bytes of the amplified value that no longer exist at once: all but one slice."""
+        whole = self.targets[0].nbytes or 0
+        return whole - whole * max(self.chunks) // sum(self.chunks)
+
+    added = 0
+
+    @property
+    def net(self) -> Any:
+        return self.saved
+
+    def meta_of(self, value: Value) -> ChunkMeta:
+        return self.meta.get(id(value), ChunkMeta())
+
+
+class Refused(Exception):
+    pass
+
+
+def _int_list(x: Any) -> list[int] | None:
+    if x is None:
+        return None
+    if isinstance(x, int):
+        return [x]
+    try:
+        return [int(d) for d in x]
+    except (TypeError, ValueError):
+        return None
+
+
+def _param(node: Node, onnx_name: str, position: int) -> Any:
+    """An attribute by its ONNX name, or the ATen argument at `position` (fx imports keep
+    non-tensor arguments as `argN`)."""
+    if onnx_name in node.attrs:
+        return node.attrs[onnx_name]
+    return node.attrs.get(f"arg{position}")
+
+
+def _rank(v: Value) -> int:
+    if v.shape is None:
+        raise Refused(f"%{v.name} has no known shape")
+    return len(v.shape)
+
+
+def _norm(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except TypeError:
+        return False
+
+
+def _shape(v: Value) -> tuple:
+    _rank(v)
+    return v.shape
+
+
+def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
+    """Output dim -> input dim, for the dims a reshape keeps: same size, same number of
+    elements before them."""
+    mapping, before_in = {}, 1
+    prefix_out = [1]
+    for d in out:
+        prefix_out.append(prefix_out[-1] * d)
+    for i, d in enumerate(src):
+        for o, d_out in enumerate(out):
+            if _same(prefix_out[o], before_in) and _same(d_out, d):
+                mapping[o] = i
+                break
+        before_in = before_in * d
+    return mapping
+
+
+def _pointwise(node: Node, inputs: list[Value], out: Value) -> DimMap:
+    rank = _rank(out)
+    maps = []
+    for v in inputs:
+        r = _rank(v)
+        maps.append({o: o - (rank - r) for o in range(rank)
+                     if o - (rank - r) >= 0 and _same(v.shape[o - (rank - r)], out.shape[o])})
+    return DimMap(maps)
+
+
+def dim_map(node: Node, kind: str) -> DimMap:
+    """The DimMap of `node` under its declared kind; Refused when its parameters are unknown."""
+    inputs = list(node.present_inputs())
+    out = node.outputs[0]
+    rank = _rank(out)
+    if kind in ("pointwise", "expand"):
+        return _pointwise(node, inputs[:1] if kind == "expand" else inputs, out)
+    if kind == "fill":
+        return DimMap([{} for _ in inputs])
+    if kind == "matmul":
+        a, b = inputs[0], inputs[1]
+        ra, rb = _rank(a), _rank(b)
+        if ra < 2 or rb < 2:
+            raise Refused(f"{node.op} {node.name}: a 1-D operand")
+        ma = {o: o - (rank - ra) for o in range(rank - 2) if o - (rank - ra) >= 0
+              and _same(a.shape[o - (rank - ra)], out.shape[o])}
+        mb = {o: o - (rank - rb) for o in range(rank - 2) if o - (rank - rb) >= 0
+              and _same(b.shape[o - (rank - rb)], out.shape[o])}
+        ma[rank - 2] = ra - 2
+        mb[rank - 1] = rb - 1
+        maps = [ma, mb] + [{} for _ in inputs[2:]]
+        return DimMap(maps, summed=[[(0, ra - 1), (1, rb - 2)]])
+    if kind == "transpose":
+        perm = _int_list(_param(node, "perm", 1))
+        if perm is None:
+            if rank != 2:
+                raise Refused(f"{node.op} {node.name}: no permutation")
+            perm = [1, 0]
+        return DimMap([{o: _norm(p, rank) for o, p in enumerate(perm)}])
+    if kind == "reshape":
+        return DimMap([reshape_map(_shape(inputs[0]), out.shape)] + [{} for _ in inputs[1:]])
+    if kind in ("sum", "reduce", "axis"):
+        src = inputs[0]
+        r = _rank(src)
+        if kind == "axis":
+            axes = [_norm(int(_param(node, "axis", 1) if _param(node, "axis", 1) is not None else -1), r)]
+            keep = True
+        else:
+            axes = _int_list(_param(node, "axes", 1))
+            axes = list(range(r)) if axes is None or not axes else [_norm(a, r) for a in axes]
+            keep = bool(_param(node, "keepdims", 2)) if _param(node, "keepdims", 2) is not None else \
+                (rank == r)
+        kept = [i for i in range(r) if keep or i not in axes]
+        mapping = {o: i for o, i in enumerate(kept) if keep is False or i not in axes}
+        if kind == "sum":
+            return DimMap([mapping], summed=[[(0, a)] for a in axes])
+        return DimMap([mapping], blocked={(0, a) for a in axes})
+    if kind == "unsqueeze":
+        axes = [_norm(a, rank) for a in _int_list(_param(node, "axes", 1)) or []]
+        kept = [o for o in range(rank) if o not in axes]
+        return DimMap([{o: i for i, o in enumerate(kept)}] + [{} for _ in inputs[1:]])
+    if kind == "squeeze":
+        src = inputs[0]
+        r = _rank(src)
+        axes = _int_list(_param(node, "axes", 1))
+        axes = [i for i in range(r) if _same(src.shape[i], 1)] if axes is None else [_norm(a, r) for a in axes]
+        kept = [i for i in range(r) if i not in axes]
+        return DimMap([{o: i for o, i in enumerate(kept)}] + [{} for _ in inputs[1:]])
+    if kind in ("gather_elements", "scatter_elements"):
+        axis = _norm(int(_param(node, "axis", 1) or 0), rank)
+        every = {o: o for o in range(rank)}
+        others = {o: o for o in range(rank) if o != axis}
+        if kind == "gather_elements":       # (data, index)
+            return DimMap([others, every], blocked={(0, axis)})
+        return DimMap([every] + [others for _ in inputs[1:]], blocked={(i, axis) for i in range(1, len(inputs))})
+    raise Refused(f"unknown chunk kind {kind!r}")
+
+
+def _zero(v: Value) -> bool:
+    """A scalar zero made from nothing (the untaken branch of a masked gradient)."""
+    p = v.producer
+    if p is None:
+        return v.data is not None and getattr(v.data, "size", 0) == 1 and float(v.data.reshape(-1)[0]) == 0
+    if any(True for _ in p.present_inputs()):
+        return False
+    fill = p.attrs.get("value", p.attrs.get("arg0" if p.op_type == "scalar_tensor" else "arg1"))
+    try:
+        return float(fill) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+class _Grower:
+    def __init__(self, match: Match, action: Chunk, ctx: MatchContext):
+        self.match = match
+        self.ctx = ctx
+        self.rules = ctx.rules
+        self.graph: Graph = ctx.graph
+        self.position = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        self.examples = self.graph.dim_examples
+        self.meta: dict[int, ChunkMeta] = {}
+        self.region: dict[int, Node] = {}
+        self.elided: set[int] = set()          # reshapes skipped inside the slices
+        self.inputs: dict[int, Value] = {}
+        root_out = match.root.outputs[0]
+        self.threshold = self._bytes(root_out) / LARGE_FRACTION
+        self.tangent_ids = self._tangent_dependent()
+        for name in action.captures:
+            v = match.value(name)
+            self.meta[id(v)] = ChunkMeta(_norm(action.dim, _rank(v)))
+            self.inputs[id(v)] = v
+
+    def _bytes(self, v: Value) -> float:
+        size = evaluate(v.nbytes, self.examples) if v.nbytes is not None else None
+        if size is None:
+            raise Refused(f"%{v.name} has no known size")
+        return size
+
+    def large(self, v: Value) -> bool:
+        return v.nbytes is not None and self._bytes(v) >= self.threshold
+
+    def _tangent_dependent(self) -> set[int]:
+        out = {id(v) for v in self.graph.inputs if v.meta.get("tangent")}
+        for n in self.graph.nodes:
+            if any(id(v) in out for v in n.present_inputs()):
+                out.update(id(o) for o in n.outputs)
+        return out
+
+    def kind(self, node: Node) -> str:
+        kind = self.rules.chunkable.get(node.op) or self.rules.chunkable.get(node.meta.get("native_op", ""))
+        if kind is None:
+            raise Refused(f"{node.op} {node.name} is not declared chunkable (add it to a "
+                          f"`chunkable KIND` line)")
+        return kind
+
+    def in_region(self, v: Value) -> bool:
+        return v.producer is not None and id(v.producer) in self.region
+
+    # ------------------------------------------------------------------------------------
+    def include(self, node: Node, required: ChunkMeta | None = None) -> None:
+        """Add `node`: derive its output meta from its sliced inputs (or take `required`),
+        then slice, pull in, or pass whole each input it reads from outside."""
+        kind = self.kind(node)
+        if len(node.outputs) != 1:
+            raise Refused(f"{node.op} {node.name} has {len(node.outputs)} outputs")
+        inputs = [self.source(v) if kind == "reshape" else v for v in node.present_inputs()]
+        if any(id(v.producer) in self.elided for v in inputs if v.producer is not None):
+            raise Refused(f"{node.op} {node.name} reads a reshape remat cannot slice")
+        if kind == "reshape":
+            dm = DimMap([reshape_map(_shape(inputs[0]), _shape(node.outputs[0]))] + [{} for _ in inputs[1:]])
+            m = self.meta.get(id(inputs[0]))
+            if (m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
+                    and node.outputs[0].users
+                    and all(self.kind_or_none(u) == "reshape" for u in node.outputs[0].users)):
+                # (tokens, vocab) -> (batch, seq, vocab) -> (tokens, vocab): the slice has no
+                # place in the middle shape, but the round trip keeps it; skip the middle.
+                self.region[id(node)] = node
+                self.elided.add(id(node))
+                self.meta[id(node.outputs[0])] = m
+                return
+        else:
+            dm = dim_map(node, kind)
+        out_dim, need_sum = None, False
+        for i, v in enumerate(inputs):
+            m = self.meta.get(id(v))
+            if m is None or not (self.in_region(v) or id(v) in self.inputs):
+                continue
+            if m.need_sum:
+                raise Refused(f"{node.op} {node.name} reads %{v.name}, a partial sum over chunks")
+            if m.dim is None:
+                continue
+            o = next((o for o, d in dm.maps[i].items() if d == m.dim), None)
+            if o is not None:
+                got_dim, got_sum = o, False
+            elif any((i, m.dim) in group for group in dm.summed):
+                got_dim, got_sum = None, True
+            elif (i, m.dim) in dm.blocked:
+                raise Refused(f"{node.op} {node.name} works along dim {m.dim} of %{v.name}, the chunk dim")
+            else:
+                raise Refused(f"{node.op} {node.name} does not carry dim {m.dim} of %{v.name} "
+                              f"to its output")
+            if (out_dim, need_sum) not in ((None, False), (got_dim, got_sum)):
+                raise Refused(f"{node.op} {node.name}: its inputs are sliced along different dims")
+            out_dim, need_sum = got_dim, got_sum
+        if out_dim is None and not need_sum:
+            if required is None:
+                raise Refused(f"{node.op} {node.name} reads no sliced value")
+            out_dim = required.dim
+        elif required is not None and required.dim != out_dim:
+            raise Refused(f"{node.op} {node.name} is needed sliced along dim {required.dim}, "
+                          f"but its inputs give dim {out_dim}")
+        self.region[id(node)] = node
+        want: dict[int, int | None] = {}
+        for i, v in enumerate(inputs):
+            if out_dim is not None:
+                want[i] = dm.maps[i].get(out_dim)
+            else:
+                group = next((g for g in dm.summed if any(
+                    (j, (self.meta.get(id(inputs[j])) or ChunkMeta()).dim) in g for j in range(len(inputs)))), [])
+                want[i] = next((d for j, d in group if j == i), None)
+        for i, v in enumerate(inputs):
+            if self.in_region(v) or id(v) in self.inputs:
+                continue
+            r = want[i]
+            if r is not None and self.should_pull(v):
+                self.include(v.producer, ChunkMeta(r))
+                continue
+            if r is not None and not _same(v.shape[r], self.size):
+                raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
+                              f"{v.shape[r]} is not the chunked size {self.size}")
+            self.meta[id(v)] = ChunkMeta(r)
+            self.inputs[id(v)] = v
+        scaled = self.scaled(node, inputs)
+        for o in node.outputs:
+            self.meta[id(o)] = ChunkMeta(out_dim, need_sum, scaled)
+
+    def source(self, v: Value) -> Value:
+        """`v`, or what it reshapes when its reshape is skipped inside the slices."""
+        while v.producer is not None and id(v.producer) in self.elided:
+            v = v.producer.inputs[0]
+        return v
+
+    def should_pull(self, v: Value) -> bool:
+        """Compute `v` inside the region when it is large, or made from a large value."""
+        p = v.producer
+        return (p is not None and self.kind_or_none(p) is not None
+                and (self.large(v) or any(self.large(x) for x in p.present_inputs())))
+
+    def kind_or_none(self, node: Node) -> str | None:
+        try:
+            return self.kind(node)
+        except Refused:
+            return None
+
+    def is_scaled(self, v: Value) -> bool:
+        if self.in_region(v):
+            return self.meta[id(v)].scaled
+        return id(v) in self.tangent_ids
+
+    def scaled(self, node: Node, inputs: list[Value]) -> bool:
+        """Whether the output is linear in the incoming gradient, which the chunks take as one."""
+        flags = [self.is_scaled(v) for v in inputs]
+        if not any(flags):
+            return False
+        self.check_linear(node, inputs, flags)
+        return True
+
+    def check_linear(self, node: Node, inputs: list[Value], flags: list[bool]) -> None:
+        op = node.op
+        if op in self.rules.additive_in_gradient:
+            if not all(flags):
+                raise Refused(f"{op} {node.name} adds the incoming gradient to a value that does not carry it")
+            return
+        if op not in self.rules.linear_in_gradient:
+            raise Refused(f"{op} {node.name} is not declared linear_in_gradient, and it reads the "
+                          f"incoming gradient")
+        if sum(flags) > 1:
+            raise Refused(f"{op} {node.name} multiplies the incoming gradient by itself")
+        if node.op_type == "Div" and flags[1]:
+            raise Refused(f"{op} {node.name} divides by the incoming gradient")
+        if node.op_type == "Where":
+            if flags[0] or not all(flags[i] or _zero(inputs[i]) for i in (1, 2)):
+                raise Refused(f"{op} {node.name} selects between the incoming gradient and a nonzero value")
+
+    # ------------------------------------------------------------------------------------
+    def grow(self, action: Chunk) -> ChunkRegion:
+        root = self.match.root
+        over = [self.match.value(n) for n in action.captures]
+        first = over[0]
+        self.size = first.shape[_norm(action.dim, _rank(first))]
+        self.include(root)
+        start = self.position[id(root)]
+        for node in self.graph.nodes[start + 1:]:
+            if id(node) in self.region:
+                continue
+            reads = [v for v in node.present_inputs() if self.in_region(v) and self.meta[id(v)].dim is not None]
+            if not reads:
+                continue
+            if any(self.large(v) for v in reads) or any(self.large(o) for o in node.outputs):
+                self.include(node)
+        self.close_cycles()
+        nodes = sorted(self.region.values(), key=lambda n: self.position[id(n)])
+        region_ids = set(self.region)
+        graph_outputs = {id(v) for v in self.graph.outputs}
+        outputs = [o for n in nodes for o in n.outputs
+                   if id(o) in graph_outputs or any(id(u) not in region_ids for u in o.users)]
+        for v in outputs:
+            if id(v.producer) in self.elided:
+                raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is read outside the region "
+                              f"in a shape the slices do not have")
+            m = self.meta[id(v)]
+            if m.dim is None and not m.need_sum:
+                raise Refused(f"%{v.name} leaves the region neither sliced nor summed")
+            if m.dim is not None and self.large(v):
+                raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is large and read outside "
+                              f"the region, so it would be built whole anyway")
+        inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
+        tangent, chain = self.tangent_chain(inputs)
+        count = self.count(action)
+        return ChunkRegion(self.match, nodes, self.meta, inputs, outputs, _sizes(self.size, count),
+                           tangent, chain, [n for n in nodes if id(n) in self.elided])
+
+    def close_cycles(self) -> None:
+        """Pull in every input computed from the region's own values (a small value between
+        two region nodes, like the log of the softmax's sum), so the region is one step."""
+        while True:
+            below: set[int] = set()
+            for n in self.graph.nodes:
+                if id(n) not in self.region and any(
+                        v.producer is not None and (id(v.producer) in self.region or id(v.producer) in below)
+                        for v in n.present_inputs()):
+                    below.add(id(n))
+            cyclic = [v for v in self.inputs.values() if v.producer is not None and id(v.producer) in below]
+            if not cyclic:
+                return
+            for v in cyclic:
+                del self.inputs[id(v)]
+                self.include(v.producer, ChunkMeta(self.meta[id(v)].dim))
+
+    def tangent_chain(self, inputs: list[Value]) -> tuple[Value | None, list[Node]]:
+        scaled_inputs = [v for v in inputs if id(v) in self.tangent_ids]
+        if not scaled_inputs:
+            return None, []
+        chain: dict[int, Node] = {}
+        tangents: set[int] = set()
+        stack = list(scaled_inputs)
+        while stack:
+            v = stack.pop()
+            if v.producer is None:
+                tangents.add(id(v))
+                continue
+            if id(v.producer) in chain:
+                continue
+            node = v.producer
+            chain[id(node)] = node
+            ins = list(node.present_inputs())
+            self.check_linear(node, ins, [id(x) in self.tangent_ids for x in ins])
+            stack.extend(x for x in ins if id(x) in self.tangent_ids)
+        if len(tangents) != 1:
+            raise Refused("the region reads more than one incoming gradient")
+        if len(chain) > MAX_TANGENT_CHAIN:
+            raise Refused(f"the region's backward reads a gradient computed by {len(chain)} nodes from the "
+                          f"incoming one; only a region whose backward follows right after its forward "
+                          f"(a loss) runs as chunks")
+        tangent = next(v for v in self.graph.inputs if id(v) in tangents)
+        return tangent, sorted(chain.values(), key=lambda n: self.position[id(n)])
+
+    def count(self, action: Chunk) -> int:
+        try:
+            value = evaluate_expr(action.count, self.match.bindings, self.ctx)
+            value = evaluate(value, self.examples) if not isinstance(value, (int, float)) else value
+        except Unproven as e:
+            raise Refused(str(e)) from None
+        if value is None or value < 1:
+            raise Refused(f"`{action.count.text}` gives {value} chunks")
+        return int(value)
+
+
+def _sizes(size: Any, count: int) -> list[int]:
+    try:
+        n = int(size)
+    except TypeError:
+        raise Refused(f"the chunked dim has the symbolic size {size}") from None
+    step = math.ceil(n / min(count, n))
+    return [min(step, n - start) for start in range(0, n, step)]
+
+
+def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
+    action = next(a for a in match.rule.actions if isinstance(a, Chunk))
+    try:
+        return _Grower(match, action, ctx).grow(action)
+    except Refused as e:
+        return Reason(action.location, str(e))
