@@ -83,7 +83,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             for ir_node in region.tangent_chain:
                 fx_node = _fx(ir_node.meta["fx_nodes"][0], by_name)
                 unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
-        operands = [unscaled.get(x, x) for x in inputs]
+        operands = [_detached_like(graph, unscaled.get(x, x)) for x in inputs]
 
         subgraphs: dict[int, str] = {}
         for size in sorted(set(region.chunks)):
@@ -93,7 +93,9 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             subgraphs[size] = attr
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
-        sums: list[fx.Node | None] = [None for _ in outputs]
+        sums = {k: graph.call_function(aten.full.default, (list(o.meta["val"].shape), 0.0),
+                                       {"dtype": o.meta["val"].dtype, "device": o.meta["val"].device})
+                for k, (o, m) in enumerate(zip(outputs, output_meta)) if m.need_sum}
         start = 0
         for size in region.chunks:
             args = []
@@ -102,11 +104,11 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
                             graph.call_function(aten.slice.Tensor, (x, m.dim, start, start + size)))
             attr = subgraphs[size]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
-                                       (graph.get_attr(attr), attr, *args))
+                                       (graph.get_attr(attr), attr, *args, *sums.values()))
             for k, m in enumerate(output_meta):
                 item = graph.call_function(operator.getitem, (call, k))
                 if m.need_sum:
-                    sums[k] = item if sums[k] is None else graph.call_function(aten.add.Tensor, (sums[k], item))
+                    sums[k] = item
                 else:
                     pieces[k].append(item)
             start += size
@@ -127,6 +129,19 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     _sort_near(graph, {n: (r, 0) for n, r in rank.items()}, (first, 1))
     graph.lint()
     _propagate_fake(gm)
+
+
+_LIKE = {aten.full_like.default: None, aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0}
+
+
+def _detached_like(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """A `ones_like(loss)` the region reads is made anew from its shape: the loss it is shaped
+    like comes after the region."""
+    if x.op != "call_function" or x.target not in _LIKE:
+        return x
+    val = x.meta["val"]
+    fill = x.args[1] if x.target is aten.full_like.default else _LIKE[x.target]
+    return graph.call_function(aten.full.default, (list(val.shape), fill), {"dtype": val.dtype, "device": val.device})
 
 
 def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:
@@ -173,7 +188,13 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
             env[fx_node] = _with_size(fx_node, m.dim, size, env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
-    sub.output(tuple(env[o] for o in outputs))
+    results = [env[o] for o in outputs]
+    for k, o in enumerate(outputs):       # partial sums accumulate inside: one buffer, not one per slice
+        if meta_by_fx[o].need_sum:
+            acc = sub.placeholder(f"{o.name}_sum")
+            acc.meta["val"] = o.meta["val"]
+            results[k] = sub.call_function(aten.add.Tensor, (acc, results[k]))
+    sub.output(tuple(results))
     sub.eliminate_dead_code()
     sub.lint()
     module = fx.GraphModule(torch.nn.Module(), sub)

@@ -49,6 +49,7 @@ CHUNK_KINDS = {
     "gather_elements": "output dims follow the index; the data's other dims follow too",
     "scatter_elements": "output dims follow the data; index and updates follow except the axis",
     "fill": "a new tensor from a shape: sliced by writing the chunk's size into the shape",
+    "like": "a new tensor shaped like its input (ones_like): dims follow, values do not depend on it",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
 }
 
@@ -189,7 +190,7 @@ def dim_map(node: Node, kind: str) -> DimMap:
     inputs = list(node.present_inputs())
     out = node.outputs[0]
     rank = _rank(out)
-    if kind in ("pointwise", "expand"):
+    if kind in ("pointwise", "expand", "like"):
         return _pointwise(node, inputs[:1] if kind == "expand" else inputs, out)
     if kind == "fill":
         return DimMap([{} for _ in inputs])
@@ -298,7 +299,7 @@ class _Grower:
     def _tangent_dependent(self) -> set[int]:
         out = {id(v) for v in self.graph.inputs if v.meta.get("tangent")}
         for n in self.graph.nodes:
-            if any(id(v) in out for v in n.present_inputs()):
+            if self.kind_or_none(n) != "like" and any(id(v) in out for v in n.present_inputs()):
                 out.update(id(o) for o in n.outputs)
         return out
 
@@ -482,7 +483,7 @@ class _Grower:
         while True:
             below: set[int] = set()
             for n in self.graph.nodes:
-                if id(n) not in self.region and any(
+                if id(n) not in self.region and self.kind_or_none(n) != "like" and any(
                         v.producer is not None and (id(v.producer) in self.region or id(v.producer) in below)
                         for v in n.present_inputs()):
                     below.add(id(n))

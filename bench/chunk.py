@@ -1,0 +1,141 @@
+"""Linear + cross-entropy alone: remat's chunk rule against Inductor's auto-chunker.
+
+4096 tokens, 128 hidden, vocab 16384 (256 MiB of logits), one training step (the input's
+gradient too, as inside a model). Each configuration runs in its own process: two warm-up
+steps, then the peak above the resting RSS during one step (MALLOC_MMAP_THRESHOLD_=65536,
+clear_refs, VmHWM, as DESIGN.md measures) and the median step time. remat slices with a rule
+whose count is fixed (`chunk over h along 0 into N`); the auto-chunker with
+`auto_chunker.num_chunk = N`. Prints one row per configuration, then, for each count, remat's
+peak and time relative to the auto-chunker's; the last line is remat/auto-chunker peak at 32.
+
+    python bench/chunk.py [--counts 4 8 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RULE = """use std.ops
+
+rule chunk_head {{
+  match {{
+    logits = MatMul(h, w)
+    require bytes(logits) >= 8 * bytes(h)
+  }}
+  rewrite {{
+    chunk over h along 0 into {count}
+  }}
+}}
+"""
+
+
+def _status() -> dict[str, int]:
+    fields = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            fields[key] = int(parts[0])
+    return fields
+
+
+def child(name: str, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
+    x = torch.randn(args.tokens, args.hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=g)
+
+    def loss_fn(x, labels):
+        return F.cross_entropy(head(x), labels)
+
+    fn = loss_fn
+    kind, _, count = name.partition("-")
+    if kind == "compile":
+        fn = torch.compile(loss_fn)
+    elif kind == "auto":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.auto_chunker.enable = True
+        inductor_config.auto_chunker.num_chunk = int(count)
+        fn = torch.compile(loss_fn)
+    elif kind == "remat":
+        import backends.fx as fx_backend
+
+        rule = Path(tempfile.mkdtemp()) / "chunk_head.rule"
+        rule.write_text(RULE.format(count=count))
+        fn = torch.compile(loss_fn, backend=fx_backend.backend(rules=[rule]))
+
+    def step():
+        loss = fn(x, labels)
+        loss.backward()
+        x.grad = None
+        head.weight.grad = None
+        return loss
+
+    step()
+    step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rest = _status()["VmRSS"]
+    times = []
+    for _ in range(args.repeats):
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    peak = _status()["VmHWM"]
+    return {"name": name, "above_rest": (peak - rest) / 1024, "seconds": sorted(times)[len(times) // 2]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for flag, default in (("tokens", 4096), ("hidden", 128), ("vocab", 16384), ("threads", 2), ("repeats", 5)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--counts", type=int, nargs="+", default=[4, 8, 32])
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+    names = ["eager", "compile"] + [f"{k}-{n}" for n in args.counts for k in ("auto", "remat")]
+    rows = {}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    for name in names:
+        command = [sys.executable, __file__, *sys.argv[1:], "--child", name]
+        subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)   # fills the caches
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            print(f"{name}: failed\n{proc.stderr[-1500:]}")
+            continue
+        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    logits = args.tokens * args.vocab * 4 / 2**20
+    print(f"linear + cross-entropy: {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab} "
+          f"({logits:.0f} MiB of logits); {args.threads} threads; peak above the resting RSS")
+    print(f"{'configuration':16}{'peak MiB':>10}{'step s':>9}")
+    for name, r in rows.items():
+        print(f"{name:16}{r['above_rest']:>10.1f}{r['seconds']:>9.3f}")
+    print(f"{'chunks':>8}{'remat/auto peak':>18}{'remat/auto time':>18}")
+    last = None
+    for n in args.counts:
+        a, r = rows.get(f"auto-{n}"), rows.get(f"remat-{n}")
+        if a and r:
+            last = r["above_rest"] / a["above_rest"]
+            print(f"{n:>8}{last:>18.3f}{r['seconds'] / a['seconds']:>18.3f}")
+    if last is not None:
+        print(f"remat / auto-chunker peak at {args.counts[-1]} chunks:")
+        print(f"{last:.3f}")
+
+
+if __name__ == "__main__":
+    main()

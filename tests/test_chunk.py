@@ -1,0 +1,174 @@
+"""Chunking on the torch joint graph: linear + cross-entropy run slice by slice give the
+unchunked loss and gradients, and a region that cannot be sliced is refused with the op named."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import backends.fx as fx_backend  # noqa: E402
+from backends.fx.importer import import_fx  # noqa: E402
+from backends.fx.saved import relative_error  # noqa: E402
+from dsl.loader import compile_text  # noqa: E402
+from engine.apply import plan  # noqa: E402
+
+CHUNK_RULE = """use std.ops
+
+rule chunk_head {{
+  match {{
+    logits = MatMul(h, w)
+    require bytes(logits) >= 4 * bytes(h)
+  }}
+  rewrite {{
+    chunk over h along 0 into {count}
+  }}
+}}
+"""
+
+
+class Head(nn.Module):
+    """A language model's last step: a projection to the vocabulary, then cross-entropy."""
+
+    def __init__(self, d: int, vocab: int, reduction: str):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(torch.tanh(self.proj(x))), labels, reduction=self.reduction)
+
+
+def _inputs(tokens: int, d: int, vocab: int, ignored: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[torch.randperm(tokens, generator=g)[:ignored]] = -100
+    return x, labels
+
+
+def _step(model, fn, inputs):
+    loss = fn(*inputs)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+@pytest.fixture
+def fresh_compiles():
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _rules(tmp_path, count: int):
+    path = tmp_path / "chunk_head.rule"
+    path.write_text(CHUNK_RULE.format(count=count))
+    return [path]
+
+
+@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(24, 96), vocab=st.integers(65, 300), chunks=st.sampled_from([2, 3, 5, 8]),
+       ignored=st.integers(0, 8), reduction=st.sampled_from(["mean", "sum"]))
+def test_chunked_cross_entropy_matches_eager(tmp_path_factory, fresh_compiles, tokens, vocab, chunks,
+                                             ignored, reduction):
+    """The fixture turns the compile caches off once; each example resets dynamo itself."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Head(16, vocab, reduction)
+    inputs = _inputs(tokens, 16, vocab, ignored)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("r"), chunks))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1
+    [result] = remat.remat_pass.chunk_results
+    [region] = result.chunks
+    assert len(region.chunks) == min(chunks, tokens) or sum(region.chunks) == tokens
+    assert sum(region.chunks) == tokens
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def test_chunk_region_keeps_the_count_of_a_mean_global(fresh_compiles, tmp_path):
+    """A mean over non-ignored labels divides by the count over all tokens: with every label of
+    the first slice ignored, a per-slice count would divide by zero there."""
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    x, labels = _inputs(64, 16, 200, 0)
+    labels[:16] = -100
+    want_loss, want_grads = _step(model, model, (x, labels))
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    loss, grads = _step(model, torch.compile(model, backend=remat), (x, labels))
+    assert remat.remat_pass.chunked == 1
+    assert torch.isfinite(loss) and relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def test_shipped_rule_chunks_the_lm_head_and_the_logits_are_never_saved(fresh_compiles):
+    from backends.fx.saved import training_step
+    from backends.models import GPTConfig, gpt
+
+    model = gpt(GPTConfig(vocab=16384, batch=2, layers=1, d_model=32, heads=2, seq=128))
+    eager_loss, eager_grads, eager_saved = training_step(model, model)
+    remat = fx_backend.backend()
+    loss, grads, saved = training_step(model, torch.compile(model, backend=remat))
+    assert remat.remat_pass.chunked == 1
+    logits_bytes = 2 * 128 * 16384 * 4
+    assert eager_saved - saved >= logits_bytes, (eager_saved, saved)
+    assert relative_error(loss, eager_loss) <= 1e-4
+    for got, want in zip(grads, eager_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def _joint(module, inputs):
+    return import_fx(fx_backend.joint_graph(module, inputs), fold=False)
+
+
+def test_a_region_through_an_undeclared_op_is_refused_with_its_name():
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 256, bias=False)
+
+        def forward(self, x):
+            return self.head(x).cumsum(0).sum()
+
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    planning = plan(_joint(Cumulative(), (torch.randn(32, 8),)), rules)
+    assert not planning.plans
+    [refusal] = planning.refusals
+    assert "aten::cumsum" in str(refusal.reason) and "not declared chunkable" in str(refusal.reason)
+    assert str(refusal.reason).startswith("chunk_head.rule:")
+
+
+def test_a_chunk_dim_an_op_reduces_over_is_refused():
+    class RowMax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 256, bias=False)
+
+        def forward(self, x):
+            return self.head(x).amax(0).sum()
+
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    planning = plan(_joint(RowMax(), (torch.randn(32, 8),)), rules)
+    assert not planning.plans
+    assert "works along dim 0" in str(planning.refusals[0].reason)
+
+
+def test_chunk_plans_are_type_3_in_the_table():
+    model = Head(16, 4096, "mean")
+    planning = fx_backend.analyze(model, _inputs(1024, 16, 4096, 3), show=False)
+    [chunk] = [p for p in planning.plans if p.type == 3]
+    assert chunk.config_string() == "MatMul+:3:-1" and chunk.rules == ["chunk_linear_cross_entropy"]
