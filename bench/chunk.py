@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_step import proc_status  # noqa: E402
 RULE = """use std.ops
 
 rule chunk_head {{
@@ -34,16 +36,6 @@ rule chunk_head {{
   }}
 }}
 """
-
-
-def _status() -> dict[str, int]:
-    fields = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        parts = value.split()
-        if parts and parts[0].isdigit():
-            fields[key] = int(parts[0])
-    return fields
 
 
 def child(name: str, args) -> dict:
@@ -88,13 +80,13 @@ def child(name: str, args) -> dict:
     step()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    rest = _status()["VmRSS"]
+    rest = proc_status()["VmRSS"]
     times = []
     for _ in range(args.repeats):
         begin = time.perf_counter()
         step()
         times.append(time.perf_counter() - begin)
-    peak = _status()["VmHWM"]
+    peak = proc_status()["VmHWM"]
     return {"name": name, "above_rest": (peak - rest) / 1024, "seconds": sorted(times)[len(times) // 2]}
 
 

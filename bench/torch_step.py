@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "remat", "remat-expensive"]
 
 
-def _proc_status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
     """The kB fields of /proc/self/status."""
     fields = {}
     for line in open("/proc/self/status"):
@@ -82,7 +82,7 @@ def child(name: str, args) -> dict:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        start = _proc_status()["VmRSS"] * 1024
+        start = proc_status()["VmRSS"] * 1024
     begin = time.perf_counter()
     loss, grads = step()
     if device.type == "cuda":
@@ -99,7 +99,7 @@ def child(name: str, args) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**20
         rest = start / 2**20
     else:
-        peak, rest = _proc_status()["VmHWM"] / 1024, start / 2**20
+        peak, rest = proc_status()["VmHWM"] / 1024, start / 2**20
     torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
     return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2]}
 

@@ -62,19 +62,7 @@ def test_same_rules_same_plans_on_both_backends(model):
 SMALL = GPTConfig(vocab=256, d_model=64, layers=2, heads=4, seq=128, batch=4)
 
 
-@pytest.fixture
-def no_compile_caches():
-    """So the joint-graph pass runs in this test, whatever an earlier run left cached."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
-
-
-def test_compiled_with_remat_matches_eager_and_saves_less(no_compile_caches):
+def test_compiled_with_remat_matches_eager_and_saves_less(fresh_compiles):
     model = gpt(SMALL)
     eager_loss, eager_grads, _ = training_step(model, model)
     _, _, inductor_saved = training_step(model, torch.compile(model))
@@ -90,7 +78,7 @@ def test_compiled_with_remat_matches_eager_and_saves_less(no_compile_caches):
     assert saved < 0.8 * inductor_saved, (saved, inductor_saved)
 
 
-def test_registered_backend_and_cache_key(no_compile_caches):
+def test_registered_backend_and_cache_key(fresh_compiles):
     from backends.fx.compile import RematPass
 
     model = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2))
