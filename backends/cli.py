@@ -76,6 +76,9 @@ def cmd_apply(args) -> int:
         if target.resolve() != inputs.resolve():
             target.write_bytes(inputs.read_bytes())
     print(result.report())
+    if result.chunks:
+        print(f"\nnote: {len(result.chunks)} chunk region(s) planned; the ONNX backend does not build "
+              f"chunk regions yet (the torch backend does), so {args.output} runs them whole")
     print(f"\nwrote {args.output}")
     return 0
 

@@ -70,9 +70,11 @@ def torch_demo(cfg) -> float:
         _, grads, remat_saved = training_step(model, torch.compile(model, backend=remat))
     err = max(relative_error(g, e) for g, e in zip(grads, eager))
     applied = sum(p.applied for r in remat.remat_pass.results for p in r.plans)
+    chunked = remat.remat_pass.chunked
     print(f"{'':30}{'saved for backward':>20}")
     print(f"{'eager':30}{eager_saved / 2**20:>16.1f} MiB")
     print(f"{'torch.compile':30}{inductor_saved / 2**20:>16.1f} MiB")
-    print(f"{'torch.compile(backend=remat)':30}{remat_saved / 2**20:>16.1f} MiB   ({applied} regions recomputed)")
+    print(f"{'torch.compile(backend=remat)':30}{remat_saved / 2**20:>16.1f} MiB   ({applied} regions recomputed, "
+          f"{chunked} chunked)")
     print(f"gradients equal to eager within {err:.1e} relative")
     return err

@@ -20,7 +20,43 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "remat", "remat-expensive"]
+CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "auto-chunker", "hand-chunked",
+           "remat", "remat-expensive"]
+
+
+def hand_chunked_loss(chunks: int):
+    """Linear + cross-entropy written by hand, slice by slice (8 slices, as DESIGN.md's anchor):
+    each slice's logits give its loss and, right away, its gradients; backward only scales them."""
+    import torch
+
+    class ChunkedLinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, weight, labels):
+            count = (labels != -100).sum().clamp_min(1)
+            loss = h.new_zeros(())
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros_like(weight)
+            for rows in torch.arange(h.shape[0], device=h.device).chunk(chunks):
+                hc, lc = h[rows], labels[rows]
+                logits = hc @ weight.t()
+                logp = torch.log_softmax(logits, dim=-1)
+                keep = lc != -100
+                safe = lc.clamp_min(0)
+                loss = loss - (logp.gather(1, safe[:, None]).squeeze(1) * keep).sum()
+                grad = logp.exp_()
+                grad[torch.arange(len(rows), device=h.device), safe] -= 1
+                grad *= keep[:, None] / count
+                grad_h[rows] = grad @ weight
+                grad_w += grad.t() @ hc
+            ctx.save_for_backward(grad_h, grad_w)
+            return loss / count
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            grad_h, grad_w = ctx.saved_tensors
+            return grad_h * grad_out, grad_w * grad_out, None
+
+    return ChunkedLinearCrossEntropy.apply
 
 
 def proc_status() -> dict[str, int]:
@@ -53,7 +89,23 @@ def child(name: str, args) -> dict:
             block.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(
                 block.forward)
     fn = model
-    if name == "compile":
+    if name == "hand-chunked":
+        loss_fn = hand_chunked_loss(8)
+
+        def forward(idx, targets):
+            x = model.tok(idx) + model.pos(torch.arange(idx.shape[1], device=idx.device))
+            for block in model.blocks:
+                x = block(x)
+            h = model.ln(x)
+            return loss_fn(h.reshape(-1, h.shape[-1]), model.head.weight, targets.reshape(-1))
+
+        model.forward = forward
+    if name in ("compile", "hand-chunked"):
+        fn = torch.compile(model)
+    elif name == "auto-chunker":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.auto_chunker.enable = True
         fn = torch.compile(model)
     elif name.startswith("budget-"):
         import torch._functorch.config as functorch_config
