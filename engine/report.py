@@ -80,9 +80,9 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
                          f"{format_bytes(result.peak_before)} -> {format_bytes(result.peak_after)}")
     if planning.refusals:
         lines += ["", f"{len(planning.refusals)} match(es) refused (see `remat explain`)."]
-    on = [r["config"] for r in rows if r["type"] == 1]
+    on = [r["config"] for r in rows if r["type"] in (1, 3)]
     if on:
-        lines += ["", "Enable all type-1 plans with --config " + ",".join(on)]
+        lines += ["", "The plans on by default (types 1 and 3), as a config: " + ",".join(on)]
     return "\n".join(lines)
 
 
