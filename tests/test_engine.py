@@ -305,3 +305,23 @@ def test_dropout_without_saved_mask_is_refused():
     assert planning.plans == []
     assert "RandomUniformLike" in planning.refusals[0].reason.message
     assert "nondeterministic" in planning.refusals[0].reason.message
+
+
+def test_reshape_map_keeps_dims_with_the_same_size_after_the_same_elements():
+    from engine.strategies.chunk import reshape_map
+
+    assert reshape_map((2, 16, 512), (32, 512)) == {1: 2}
+    assert reshape_map((32, 512), (2, 16, 512)) == {2: 1}
+    assert reshape_map((8, 4, 64), (8, 256)) == {0: 0}
+    assert reshape_map((32, 512), (32, 512)) == {0: 0, 1: 1}
+
+
+def test_chunk_sizes_cover_the_dim_with_at_most_count_slices():
+    from engine.strategies.chunk import Refused, slice_sizes
+
+    assert slice_sizes(10, 3) == [4, 4, 2]
+    assert slice_sizes(4096, 8) == [512] * 8
+    assert slice_sizes(5, 8) == [1] * 5
+    import sympy
+    with pytest.raises(Refused, match="symbolic size"):
+        slice_sizes(sympy.Symbol("n", positive=True, integer=True), 4)

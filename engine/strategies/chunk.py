@@ -474,7 +474,7 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = self.tangent_chain(inputs)
         count = self.count(action)
-        return ChunkRegion(self.match, nodes, self.meta, inputs, outputs, _sizes(self.size, count),
+        return ChunkRegion(self.match, nodes, self.meta, inputs, outputs, slice_sizes(self.size, count),
                            tangent, chain, [n for n in nodes if id(n) in self.elided])
 
     def close_cycles(self) -> None:
@@ -533,7 +533,7 @@ class _Grower:
         return int(value)
 
 
-def _sizes(size: Any, count: int) -> list[int]:
+def slice_sizes(size: Any, count: int) -> list[int]:
     try:
         n = int(size)
     except TypeError:
