@@ -154,3 +154,20 @@ def test_chunk_plans_are_type_3_in_the_table():
     planning = fx_backend.analyze(model, _inputs(1024, 16, 4096, 3), show=False)
     [chunk] = [p for p in planning.plans if p.type == 3]
     assert chunk.config_string() == "MatMul+:3:-1" and chunk.rules == ["chunk_linear_cross_entropy"]
+
+
+def test_a_region_the_fx_builder_cannot_build_is_skipped_with_a_warning(fresh_compiles, tmp_path, monkeypatch):
+    import backends.fx.chunk as fx_chunk
+
+    monkeypatch.setattr(fx_chunk, "_SHAPE_ARG", {})     # no shape it can rewrite: aten.full is not buildable
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    inputs = _inputs(64, 16, 200, 2)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    with pytest.warns(UserWarning, match="chunk_head at mm was not built: .*shape remat cannot rewrite"):
+        loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 0 and len(remat.remat_pass.chunk_failures) == 1
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4

@@ -73,6 +73,16 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     tangent = _fx(region.tangent.name, by_name) if region.tangent is not None else None
     out_node = next(n for n in graph.nodes if n.op == "output")
 
+    chain = [_fx(n.meta["fx_nodes"][0], by_name) for n in region.tangent_chain]
+    # The subgraphs first: a region that cannot be built raises before the graph is touched.
+    built = {size: _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
+             for size in sorted(set(region.chunks))}
+    subgraphs: dict[int, str] = {}
+    for size, sub in built.items():
+        attr = f"{name}_{len(subgraphs)}"
+        setattr(gm, attr, sub)
+        subgraphs[size] = attr
+
     with graph.inserting_before(out_node):
         unscaled: dict[fx.Node, fx.Node] = {}
         if tangent is not None:
@@ -80,17 +90,9 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             ones = graph.call_function(aten.full.default, (list(val.shape), 1.0),
                                        {"dtype": val.dtype, "device": val.device})
             unscaled[tangent] = ones
-            for ir_node in region.tangent_chain:
-                fx_node = _fx(ir_node.meta["fx_nodes"][0], by_name)
+            for fx_node in chain:
                 unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
         operands = [_detached_like(graph, unscaled.get(x, x)) for x in inputs]
-
-        subgraphs: dict[int, str] = {}
-        for size in sorted(set(region.chunks)):
-            sub = _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
-            attr = f"{name}_{len(subgraphs)}"
-            setattr(gm, attr, sub)
-            subgraphs[size] = attr
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
         sums = {k: graph.call_function(aten.full.default, (list(o.meta["val"].shape), 0.0),
@@ -166,7 +168,7 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
             if waiting[u] == 0 and u.op != "output":
                 heapq.heappush(ready, (key[u], seq[u], u))
     if len(order) != len(nodes) - 1:
-        raise GraphError("chunking left a cycle in the fx graph")
+        raise RuntimeError("remat bug: chunking left a cycle in the fx graph")
     output = next(n for n in nodes if n.op == "output")
     placeholders = [n for n in order if n.op == "placeholder"]
     for n in placeholders + [n for n in order if n.op != "placeholder"]:
@@ -180,11 +182,16 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
         p = sub.placeholder(x.name)
         p.meta["val"] = _fake_slice(x.meta["val"], m.dim, size)
         env[x] = p
+    sliced = {x for x, m in zip(inputs, input_meta) if m.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
+        if m.dim is not None:
+            sliced.add(fx_node)
         if fx_node in elided:
             env[fx_node] = env[fx_node.args[0]]
-        elif m.dim is not None and fx_node.target in _SHAPE_ARG:
+        elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
+            # Its output shape is written in its arguments (a view's target, the zeros a loss
+            # gradient scatters into): the slice's size goes there.
             env[fx_node] = _with_size(fx_node, m.dim, size, env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])

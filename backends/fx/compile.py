@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dsl.loader import load_rules
 from engine.apply import Result, apply
+from engine.errors import GraphError
 from engine.patterns import RuleSet
 from engine.plans import parse_config
 
@@ -55,6 +57,7 @@ class RematPass(CustomGraphPass):
         self.results: list[Result] = []          # recompute and compromise, per joint graph
         self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
         self.chunked = 0                         # chunk regions built
+        self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
 
     def __call__(self, graph: fx.Graph) -> None:
         owner = graph.owning_module
@@ -87,7 +90,15 @@ class RematPass(CustomGraphPass):
                     self.report(result.report())
             if not result.chunks:
                 return
-            apply_chunk(graph, result.chunks[0], f"remat_chunk_{k}")
+            region = result.chunks[0]
+            try:
+                apply_chunk(graph, region, f"remat_chunk_{k}")
+            except GraphError as err:
+                # Nothing was rewired yet: the graph runs unchunked, and the user is told why.
+                message = f"{region.match.rule.name} at {region.match.root.name} was not built: {err}"
+                self.chunk_failures.append(message)
+                warnings.warn(message, stacklevel=2)
+                return
             self.chunked += 1
 
     def uuid(self) -> str:
