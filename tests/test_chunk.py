@@ -11,7 +11,7 @@ from torch import nn  # noqa: E402
 
 import backends.fx as fx_backend  # noqa: E402
 from backends.fx.importer import import_fx  # noqa: E402
-from backends.fx.saved import relative_error  # noqa: E402
+from backends.fx.saved import relative_error, training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 from engine.apply import plan  # noqa: E402
 
@@ -51,12 +51,8 @@ def _inputs(tokens: int, d: int, vocab: int, ignored: int, seed: int = 0):
 
 
 def _step(model, fn, inputs):
-    loss = fn(*inputs)
-    loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
+    loss, grads, _ = training_step(model, fn, inputs)
+    return loss, grads
 
 
 def _rules(tmp_path, count: int):
@@ -105,7 +101,6 @@ def test_chunk_region_keeps_the_count_of_a_mean_global(fresh_compiles, tmp_path)
 
 
 def test_shipped_rule_chunks_the_lm_head_and_the_logits_are_never_saved(fresh_compiles):
-    from backends.fx.saved import training_step
     from backends.models import GPTConfig, gpt
 
     model = gpt(GPTConfig(vocab=16384, batch=2, layers=1, d_model=32, heads=2, seq=128))

@@ -86,18 +86,13 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     with graph.inserting_before(out_node):
         unscaled: dict[fx.Node, fx.Node] = {}
         if tangent is not None:
-            val = tangent.meta["val"]
-            ones = graph.call_function(aten.full.default, (list(val.shape), 1.0),
-                                       {"dtype": val.dtype, "device": val.device})
-            unscaled[tangent] = ones
+            unscaled[tangent] = _full(graph, tangent, 1.0)
             for fx_node in chain:
                 unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
         operands = [_detached_like(graph, unscaled.get(x, x)) for x in inputs]
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
-        sums = {k: graph.call_function(aten.full.default, (list(o.meta["val"].shape), 0.0),
-                                       {"dtype": o.meta["val"].dtype, "device": o.meta["val"].device})
-                for k, (o, m) in enumerate(zip(outputs, output_meta)) if m.need_sum}
+        sums = {k: _full(graph, o, 0.0) for k, (o, m) in enumerate(zip(outputs, output_meta)) if m.need_sum}
         start = 0
         for size in region.chunks:
             args = []
@@ -141,8 +136,12 @@ def _detached_like(graph: fx.Graph, x: fx.Node) -> fx.Node:
     like comes after the region."""
     if x.op != "call_function" or x.target not in _LIKE:
         return x
-    val = x.meta["val"]
-    fill = x.args[1] if x.target is aten.full_like.default else _LIKE[x.target]
+    return _full(graph, x, x.args[1] if x.target is aten.full_like.default else _LIKE[x.target])
+
+
+def _full(graph: fx.Graph, like: fx.Node, fill: float) -> fx.Node:
+    """A new tensor of `fill` with the shape, dtype and device of `like`'s value."""
+    val = like.meta["val"]
     return graph.call_function(aten.full.default, (list(val.shape), fill), {"dtype": val.dtype, "device": val.device})
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def training_step(model: torch.nn.Module, compiled) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """Run `compiled(*model.example_inputs())` forward and backward: loss, gradients, bytes saved."""
+def training_step(model: torch.nn.Module, compiled, inputs=None) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Run `compiled(*inputs)` (by default `model.example_inputs()`) forward and backward:
+    loss, gradients, bytes saved."""
     saved: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -17,7 +18,7 @@ def training_step(model: torch.nn.Module, compiled) -> tuple[torch.Tensor, list[
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(*model.example_inputs())
+        loss = compiled(*(model.example_inputs() if inputs is None else inputs))
     loss.backward()
     grads = [p.grad.detach().clone() for p in model.parameters()]
     for p in model.parameters():

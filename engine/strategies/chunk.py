@@ -175,23 +175,21 @@ def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
     return mapping
 
 
-def _pointwise(node: Node, inputs: list[Value], out: Value) -> DimMap:
-    rank = _rank(out)
-    maps = []
-    for v in inputs:
-        r = _rank(v)
-        maps.append({o: o - (rank - r) for o in range(rank)
-                     if o - (rank - r) >= 0 and _same(v.shape[o - (rank - r)], out.shape[o])})
-    return DimMap(maps)
+def _broadcast(v: Value, out: Value, dims: int) -> dict[int, int]:
+    """Output dim -> dim of `v` for the first `dims` output dims, numpy-aligned from the right,
+    where `v` has the output's size (a broadcast dim of size 1 is not carried)."""
+    shift = _rank(out) - _rank(v)
+    return {o: o - shift for o in range(dims) if o - shift >= 0 and _same(v.shape[o - shift], out.shape[o])}
 
 
-def dim_map(node: Node, kind: str) -> DimMap:
-    """The DimMap of `node` under its declared kind; Refused when its parameters are unknown."""
-    inputs = list(node.present_inputs())
+def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
+    """The DimMap of `node` under its declared kind; Refused when its parameters are unknown.
+    `inputs` stands for the node's inputs where the grower reads through skipped reshapes."""
+    inputs = list(node.present_inputs()) if inputs is None else inputs
     out = node.outputs[0]
     rank = _rank(out)
     if kind in ("pointwise", "expand", "like"):
-        return _pointwise(node, inputs[:1] if kind == "expand" else inputs, out)
+        return DimMap([_broadcast(v, out, rank) for v in (inputs[:1] if kind == "expand" else inputs)])
     if kind == "fill":
         return DimMap([{} for _ in inputs])
     if kind == "matmul":
@@ -199,10 +197,7 @@ def dim_map(node: Node, kind: str) -> DimMap:
         ra, rb = _rank(a), _rank(b)
         if ra < 2 or rb < 2:
             raise Refused(f"{node.op} {node.name}: a 1-D operand")
-        ma = {o: o - (rank - ra) for o in range(rank - 2) if o - (rank - ra) >= 0
-              and _same(a.shape[o - (rank - ra)], out.shape[o])}
-        mb = {o: o - (rank - rb) for o in range(rank - 2) if o - (rank - rb) >= 0
-              and _same(b.shape[o - (rank - rb)], out.shape[o])}
+        ma, mb = _broadcast(a, out, rank - 2), _broadcast(b, out, rank - 2)
         ma[rank - 2] = ra - 2
         mb[rank - 1] = rb - 1
         maps = [ma, mb] + [{} for _ in inputs[2:]]
@@ -220,13 +215,14 @@ def dim_map(node: Node, kind: str) -> DimMap:
         src = inputs[0]
         r = _rank(src)
         if kind == "axis":
-            axes = [_norm(int(_param(node, "axis", 1) if _param(node, "axis", 1) is not None else -1), r)]
+            axis = _param(node, "axis", 1)
+            axes = [_norm(-1 if axis is None else int(axis), r)]
             keep = True
         else:
             axes = _int_list(_param(node, "axes", 1))
-            axes = list(range(r)) if axes is None or not axes else [_norm(a, r) for a in axes]
-            keep = bool(_param(node, "keepdims", 2)) if _param(node, "keepdims", 2) is not None else \
-                (rank == r)
+            axes = list(range(r)) if not axes else [_norm(a, r) for a in axes]
+            keepdims = _param(node, "keepdims", 2)
+            keep = rank == r if keepdims is None else bool(keepdims)
         kept = [i for i in range(r) if keep or i not in axes]
         mapping = {o: i for o, i in enumerate(kept) if keep is False or i not in axes}
         if kind == "sum":
@@ -281,7 +277,7 @@ class _Grower:
         self.inputs: dict[int, Value] = {}
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
-        self.tangent_ids = self._tangent_dependent()
+        self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.meta.get("tangent")})
         for name in action.captures:
             v = match.value(name)
             self.meta[id(v)] = ChunkMeta(_norm(action.dim, _rank(v)))
@@ -296,8 +292,10 @@ class _Grower:
     def large(self, v: Value) -> bool:
         return v.nbytes is not None and self._bytes(v) >= self.threshold
 
-    def _tangent_dependent(self) -> set[int]:
-        out = {id(v) for v in self.graph.inputs if v.meta.get("tangent")}
+    def downstream(self, seeds: set[int]) -> set[int]:
+        """Ids of the values computed from the values `seeds` names (seeds included). A `like`
+        op reads only its input's shape, so nothing passes through it."""
+        out = set(seeds)
         for n in self.graph.nodes:
             if self.kind_or_none(n) != "like" and any(id(v) in out for v in n.present_inputs()):
                 out.update(id(o) for o in n.outputs)
@@ -323,8 +321,8 @@ class _Grower:
         inputs = [self.source(v) if kind == "reshape" else v for v in node.present_inputs()]
         if any(id(v.producer) in self.elided for v in inputs if v.producer is not None):
             raise Refused(f"{node.op} {node.name} reads a reshape remat cannot slice")
+        dm = dim_map(node, kind, inputs)
         if kind == "reshape":
-            dm = DimMap([reshape_map(_shape(inputs[0]), _shape(node.outputs[0]))] + [{} for _ in inputs[1:]])
             m = self.meta.get(id(inputs[0]))
             if (m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
                     and node.outputs[0].users
@@ -335,8 +333,6 @@ class _Grower:
                 self.elided.add(id(node))
                 self.meta[id(node.outputs[0])] = m
                 return
-        else:
-            dm = dim_map(node, kind)
         out_dim, need_sum = None, False
         for i, v in enumerate(inputs):
             m = self.meta.get(id(v))
@@ -481,13 +477,8 @@ class _Grower:
         """Pull in every input computed from the region's own values (a small value between
         two region nodes, like the log of the softmax's sum), so the region is one step."""
         while True:
-            below: set[int] = set()
-            for n in self.graph.nodes:
-                if id(n) not in self.region and self.kind_or_none(n) != "like" and any(
-                        v.producer is not None and (id(v.producer) in self.region or id(v.producer) in below)
-                        for v in n.present_inputs()):
-                    below.add(id(n))
-            cyclic = [v for v in self.inputs.values() if v.producer is not None and id(v.producer) in below]
+            below = self.downstream({id(o) for n in self.region.values() for o in n.outputs})
+            cyclic = [v for v in self.inputs.values() if id(v) in below]
             if not cyclic:
                 return
             for v in cyclic:
