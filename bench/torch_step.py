@@ -4,7 +4,8 @@ Configurations: eager, per-block torch.utils.checkpoint, torch.compile (Inductor
 partitioner's activation_memory_budget at 0.5 and 0.1, and torch.compile(backend="remat")
 with the shipped rules (default tier, and --tier expensive). Peak is the whole process's
 VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, clear_refs),
-as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Loss and gradients are
+as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
+of --repeats steps in another process, with the default allocator (see main()). Loss and gradients are
 compared with eager. Prints the table, then the remat/compile peak ratio last.
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
@@ -117,16 +118,18 @@ def child(name: str, args) -> dict:
     elif name == "remat-expensive":
         fn = torch.compile(model, backend=fx_backend.backend(tiers=["expensive"], config=args.remat_config))
 
-    def step():
+    def step() -> torch.Tensor:
         loss = fn(*inputs)
         loss.backward()
-        grads = [p.grad.detach().clone() for p in model.parameters()]
+        return loss.detach()
+
+    def clear() -> None:
         for p in model.parameters():
             p.grad = None
-        return loss.detach(), grads
 
-    step()
-    step()
+    for _ in range(2):
+        step()
+        clear()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -136,22 +139,26 @@ def child(name: str, args) -> dict:
             f.write("5")
         start = proc_status()["VmRSS"] * 1024
     begin = time.perf_counter()
-    loss, grads = step()
+    loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - begin
-    times = [seconds]
-    for _ in range(args.repeats - 1):
-        begin = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
+    # The peak is read before the gradients are copied out for the comparison with eager.
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
         rest = start / 2**20
     else:
         peak, rest = proc_status()["VmHWM"] / 1024, start / 2**20
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    clear()
+    times = [seconds]
+    for _ in range(args.repeats - 1):
+        begin = time.perf_counter()
+        step()
+        clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
     torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
     return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2]}
 
@@ -178,18 +185,23 @@ def main() -> None:
 
     rows = {}
     for name in args.configs:
+        # Two processes. The first fills Inductor's caches and is timed, with the default
+        # allocator: the mmap threshold that makes VmHWM trustworthy turns every large
+        # allocation into a fresh mapping whose pages fault in, a cost no real run pays, and
+        # one that grows with the number of buffers (chunked runs have more).
+        # The second measures the peak: a process that compiles from scratch keeps tens of
+        # MiB more (compile-time garbage) than one that loads from the cache, so every
+        # configuration's peak is taken from the same, cached, state.
+        timed = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name],
+                               capture_output=True, text=True, cwd=ROOT)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        # The first run fills Inductor's caches, the second is measured: a process that compiles
-        # from scratch keeps tens of MiB more (compile-time garbage) than one that loads from
-        # the cache, and every configuration must start from the same state.
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
-                       env=env, capture_output=True, text=True, cwd=ROOT)
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name], env=env,
-                              capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0:
-            print(f"{name}: failed\n{proc.stderr[-1500:]}")
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
+                              env=env, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0 or timed.returncode != 0:
+            print(f"{name}: failed\n{(proc.stderr or timed.stderr)[-1500:]}")
             continue
         rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows[name]["seconds"] = json.loads(timed.stdout.strip().splitlines()[-1])["seconds"]
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"

@@ -291,7 +291,7 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def chunk_action(self, meta, children):
         names = [self._named(t) for t in children if isinstance(t, Token) and t.type == "NAME"]
-        dim = next(int(t) for t in children if isinstance(t, Token) and t.type == "INT")
+        dim = next(int(t) for t in children if isinstance(t, Token) and t.type == "SIGNED_INT")
         return ast.ChunkAction(names, dim, children[-1], self._loc(meta))
 
     # expressions

@@ -57,32 +57,47 @@ def _fake_slice(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
-    """Rewrite `graph` (owned by a GraphModule) so `region` runs slice by slice."""
+    """Rewrite `graph` (owned by a GraphModule) so `region` runs slice by slice, one pass
+    over the slices per phase."""
     gm = graph.owning_module
+    by_name = {n.name: n for n in graph.nodes}
+    in_region = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.nodes}
+    elided = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.elided}
+    phases = []
+    for phase in region.phases:
+        body = [_fx(n.meta["fx_nodes"][0], by_name) for n in phase.nodes]
+        meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
+        inputs = [_fx(v.name, by_name) for v in phase.inputs]
+        input_meta = [region.meta_of(v) for v in phase.inputs]
+        outputs = [_fx(v.name, by_name) for v in phase.outputs]
+        output_meta = [region.meta_of(v) for v in phase.outputs]
+        recomputed = {_fx(n.meta["fx_nodes"][0], by_name) for n in phase.recomputed}
+        # The subgraphs first: a region that cannot be built raises before the graph is touched.
+        built = {size: _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
+                 for size in sorted(set(region.chunks))}
+        phases.append((body, inputs, input_meta, outputs, output_meta, recomputed, built))
+    for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
+        subgraphs: dict[int, str] = {}
+        for size, sub in built.items():
+            attr = f"{name}_{k}_{len(subgraphs)}" if len(phases) > 1 else f"{name}_{len(subgraphs)}"
+            setattr(gm, attr, sub)
+            subgraphs[size] = attr
+        _rewire(graph, region, inputs, input_meta, outputs, output_meta, body, recomputed, in_region,
+                subgraphs)
+    graph.lint()
+    _propagate_fake(gm)
+
+
+def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list,
+            outputs: list[fx.Node], output_meta: list, body: list[fx.Node], recomputed: set[fx.Node],
+            in_region: set[fx.Node], subgraphs: dict[int, str]) -> None:
+    """Call the subgraphs once per slice in place of `body`, and send the region's readers
+    (never its other phase) to the combined outputs."""
     rank = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
-    body = [_fx(n.meta["fx_nodes"][0], by_name) for n in region.nodes]
-    meta_by_fx = {}
-    for ir_node, fx_node in zip(region.nodes, body):
-        meta_by_fx[fx_node] = region.meta_of(ir_node.outputs[0])
-    inputs = [_fx(v.name, by_name) for v in region.inputs]
-    input_meta = [region.meta_of(v) for v in region.inputs]
-    outputs = [_fx(v.name, by_name) for v in region.outputs]
-    output_meta = [region.meta_of(v) for v in region.outputs]
-    elided = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.elided}
     tangent = _fx(region.tangent.name, by_name) if region.tangent is not None else None
-    out_node = next(n for n in graph.nodes if n.op == "output")
-
     chain = [_fx(n.meta["fx_nodes"][0], by_name) for n in region.tangent_chain]
-    # The subgraphs first: a region that cannot be built raises before the graph is touched.
-    built = {size: _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
-             for size in sorted(set(region.chunks))}
-    subgraphs: dict[int, str] = {}
-    for size, sub in built.items():
-        attr = f"{name}_{len(subgraphs)}"
-        setattr(gm, attr, sub)
-        subgraphs[size] = attr
-
+    out_node = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(out_node):
         unscaled: dict[fx.Node, fx.Node] = {}
         if tangent is not None:
@@ -114,7 +129,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
             if m.scaled:
                 whole = graph.call_function(aten.mul.Tensor, (whole, tangent))
-            orig.replace_all_uses_with(whole)
+            orig.replace_all_uses_with(whole, delete_user_cb=lambda user: user not in in_region)
 
     for fx_node in reversed(body):
         if not fx_node.users:
@@ -122,10 +137,8 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     for fx_node in reversed(list(unscaled)):
         if fx_node is not tangent and not fx_node.users:
             graph.erase_node(fx_node)
-    first = min(rank[n] for n in body)
+    first = min(rank[n] for n in body if n not in recomputed)
     _sort_near(graph, {n: (r, 0) for n, r in rank.items()}, (first, 1))
-    graph.lint()
-    _propagate_fake(gm)
 
 
 _LIKE = {aten.full_like.default: None, aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0}

@@ -112,10 +112,17 @@ def backend(rules: str | Path | Iterable | None = None, config: str | None = Non
     remat_pass = RematPass(load_rules(rules), config, tiers, report)
 
     def compile_with_remat(gm: fx.GraphModule, example_inputs):
+        import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        with inductor_config.patch(joint_custom_pre_pass=remat_pass):
+        # Donated buffers let the backward write into saved activations it has read for the
+        # last time. A backward chunk phase reads slices of saved values (the queries) through
+        # one invoke_subgraph call per slice, and Inductor (2.13) reuses the saved buffer after
+        # the first call: the later slices then read garbage (measured: the QKV gradients off
+        # by 100% on one attention head). Off whenever the rules can chunk.
+        donate = functorch_config.donated_buffer and not remat_pass.rules.of_types({3}).rules
+        with inductor_config.patch(joint_custom_pre_pass=remat_pass), functorch_config.patch(donated_buffer=donate):
             return compile_fx(gm, example_inputs)
 
     compile_with_remat.remat_pass = remat_pass

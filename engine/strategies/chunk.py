@@ -18,6 +18,13 @@ gradient replaced by one, so the gradient is applied once, after the chunks (the
 `scale_by` trick of Inductor's auto-chunker): that is what lets each chunk's backward run
 right after its forward, before the incoming gradient exists.
 
+A region whose backward reads a gradient computed from its own forward output (attention:
+the gradient of `softmax(QK^T) V` arrives after the rest of the network has run on it) cannot
+run forward and backward in one pass over the slices. It runs in two phases: the forward
+slices, then, once that gradient exists, the backward slices, which recompute the forward
+values they read (the scores and their softmax), as flash attention does. Neither phase
+keeps a large value whole, and nothing large is saved between them.
+
 Values the region reads but does not slice (weights, the global count of a mean over
 non-ignored labels) are computed outside it, whole, so a mean is divided by the global
 count, never by a chunk's. A region through an op with no declared kind, a dim an op
@@ -53,7 +60,7 @@ CHUNK_KINDS = {
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
 }
 
-LARGE_FRACTION = 8      # a value is large when at least 1/8 of the root's output
+LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
 
 
@@ -74,6 +81,16 @@ class DimMap:
 
 
 @dataclass
+class ChunkPhase:
+    """One pass over the slices: its nodes run once per slice."""
+
+    nodes: list[Node]                           # in schedule order
+    inputs: list[Value]                         # read from outside the phase
+    outputs: list[Value]                        # read outside the region
+    recomputed: list[Node] = field(default_factory=list)   # an earlier phase's nodes, run again here
+
+
+@dataclass
 class ChunkRegion:
     match: Match
     nodes: list[Node]                           # in schedule order
@@ -84,6 +101,7 @@ class ChunkRegion:
     tangent: Value | None = None                # the incoming gradient the scaled outputs get
     tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
     elided: list[Node] = field(default_factory=list)          # reshapes the slices skip
+    phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
 
     @property
     def key(self) -> str:
@@ -116,6 +134,10 @@ class ChunkRegion:
 
 class Refused(Exception):
     pass
+
+
+class _TwoPhases(Exception):
+    """The region's backward reads the gradient of its own output: grow it again in two phases."""
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -264,8 +286,9 @@ def _zero(v: Value) -> bool:
 
 
 class _Grower:
-    def __init__(self, match: Match, action: Chunk, ctx: MatchContext):
+    def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False):
         self.match = match
+        self.two_phase = two_phase
         self.ctx = ctx
         self.rules = ctx.rules
         self.graph: Graph = ctx.graph
@@ -275,6 +298,7 @@ class _Grower:
         self.region: dict[int, Node] = {}
         self.elided: set[int] = set()          # reshapes skipped inside the slices
         self.inputs: dict[int, Value] = {}
+        self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.meta.get("tangent")})
@@ -406,6 +430,8 @@ class _Grower:
             return None
 
     def is_scaled(self, v: Value) -> bool:
+        if self.two_phase:
+            return False        # the backward phase reads the real gradient
         if self.in_region(v):
             return self.meta[id(v)].scaled
         return id(v) in self.tangent_ids
@@ -415,7 +441,11 @@ class _Grower:
         flags = [self.is_scaled(v) for v in inputs]
         if not any(flags):
             return False
-        self.check_linear(node, inputs, flags)
+        try:
+            self.check_linear(node, inputs, flags)
+        except Refused as e:
+            # Raised once the region is known to run in one phase: in two, nothing is scaled.
+            self.nonlinear = self.nonlinear or e
         return True
 
     def check_linear(self, node: Node, inputs: list[Value], flags: list[bool]) -> None:
@@ -451,13 +481,12 @@ class _Grower:
                 continue
             if any(self.large(v) for v in reads) or any(self.large(o) for o in node.outputs):
                 self.include(node)
-        self.close_cycles()
+        late = self.close_cycles()
+        if self.nonlinear is not None:
+            raise self.nonlinear
         nodes = sorted(self.region.values(), key=lambda n: self.position[id(n)])
-        region_ids = set(self.region)
-        graph_outputs = {id(v) for v in self.graph.outputs}
-        outputs = [o for n in nodes for o in n.outputs
-                   if id(o) in graph_outputs or any(id(u) not in region_ids for u in o.users)]
-        for v in outputs:
+        phases = self.phases(nodes, late)
+        for v in (o for ph in phases for o in ph.outputs):
             if id(v.producer) in self.elided:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is read outside the region "
                               f"in a shape the slices do not have")
@@ -468,22 +497,66 @@ class _Grower:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is large and read outside "
                               f"the region, so it would be built whole anyway")
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
-        tangent, chain = self.tangent_chain(inputs)
+        tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count = self.count(action)
-        return ChunkRegion(self.match, nodes, self.meta, inputs, outputs, slice_sizes(self.size, count),
-                           tangent, chain, [n for n in nodes if id(n) in self.elided])
+        return ChunkRegion(self.match, nodes, self.meta, inputs, [o for ph in phases for o in ph.outputs],
+                           slice_sizes(self.size, count), tangent, chain,
+                           [n for n in nodes if id(n) in self.elided], phases)
 
-    def close_cycles(self) -> None:
+    def close_cycles(self) -> list[Value]:
         """Pull in every input computed from the region's own values (a small value between
-        two region nodes, like the log of the softmax's sum), so the region is one step."""
+        two region nodes, like the log of the softmax's sum), so the region is one step.
+        An input computed from them in the backward part is the gradient of the region's
+        output: the region runs in two phases, and those inputs are returned."""
         while True:
             below = self.downstream({id(o) for n in self.region.values() for o in n.outputs})
             cyclic = [v for v in self.inputs.values() if id(v) in below]
+            late = [v for v in cyclic if not self.ctx.analysis.is_forward(v.producer)]
+            if late and not self.two_phase:
+                raise _TwoPhases()
+            cyclic = [v for v in cyclic if self.ctx.analysis.is_forward(v.producer)]
             if not cyclic:
-                return
+                return late
             for v in cyclic:
                 del self.inputs[id(v)]
                 self.include(v.producer, ChunkMeta(self.meta[id(v)].dim))
+
+    def phases(self, nodes: list[Node], late: list[Value]) -> list[ChunkPhase]:
+        """One phase, or, with `late` inputs, the forward phase (the nodes that do not read
+        them) and the backward phase (the rest, and the forward nodes they read, again)."""
+        region_ids = {id(n) for n in nodes}
+        graph_outputs = {id(v) for v in self.graph.outputs}
+
+        def outputs(members: list[Node]) -> list[Value]:
+            return [o for n in members for o in n.outputs
+                    if id(o) in graph_outputs or any(id(u) not in region_ids for u in o.users)]
+
+        def phase(members: list[Node], recomputed: list[Node] = ()) -> ChunkPhase:
+            ids = {id(n) for n in members}
+            reads = {id(v): v for n in members for v in n.present_inputs()
+                     if id(v) in self.inputs and (v.producer is None or id(v.producer) not in ids)}
+            ins = sorted(reads.values(), key=lambda v: self.position.get(id(v.producer), -1))
+            return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed]),
+                              list(recomputed))
+
+        if not late:
+            return [phase(nodes)]
+        after = self.downstream({id(v) for v in late})
+        backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
+        forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
+        backward_ids = {id(n) for n in backward}
+        needed: dict[int, Node] = {}
+        stack = [v for n in backward for v in n.present_inputs()]
+        while stack:
+            v = stack.pop()
+            p = v.producer
+            if p is None or id(p) in backward_ids or id(p) in needed or id(p) not in region_ids:
+                continue
+            needed[id(p)] = p
+            stack.extend(p.present_inputs())
+        recomputed = [n for n in forward if id(n) in needed]
+        return [phase(forward), phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]),
+                                      recomputed)]
 
     def tangent_chain(self, inputs: list[Value]) -> tuple[Value | None, list[Node]]:
         scaled_inputs = [v for v in inputs if id(v) in self.tangent_ids]
@@ -536,6 +609,9 @@ def slice_sizes(size: Any, count: int) -> list[int]:
 def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     action = next(a for a in match.rule.actions if isinstance(a, Chunk))
     try:
-        return _Grower(match, action, ctx).grow(action)
+        try:
+            return _Grower(match, action, ctx).grow(action)
+        except _TwoPhases:
+            return _Grower(match, action, ctx, two_phase=True).grow(action)
     except Refused as e:
         return Reason(action.location, str(e))
