@@ -1,4 +1,6 @@
 """The torch side: the ATen joint graph in the IR, and the same rules giving the same plans."""
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,7 +11,7 @@ from backends.fx.saved import relative_error, training_step  # noqa: E402
 from backends.models import GPTConfig, gpt  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
-from dsl.loader import load_rules  # noqa: E402
+from dsl.loader import compile_text, load_rules  # noqa: E402
 from engine.analysis import analyze  # noqa: E402
 from engine.apply import plan  # noqa: E402
 
@@ -40,10 +42,14 @@ def test_joint_graph_imports_with_onnx_names_and_native_ops(model):
     assert graph.meta["forward_outputs"] == [graph.outputs[0].name] and a.stashed
 
 
-def test_same_rules_same_plans_on_both_backends(model):
+@pytest.fixture(scope="module")
+def exported(model):
+    return import_model(export_training_step(model, model.example_inputs(), ["idx", "targets"]).model)
+
+
+def test_same_rules_same_plans_on_both_backends(model, exported):
     fx_plans = fx_backend.analyze(model, model.example_inputs(), tiers=["expensive"], show=False).plans
-    exported = export_training_step(model, model.example_inputs(), ["idx", "targets"])
-    onnx_plans = plan(import_model(exported.model), load_rules(), ["expensive"]).plans
+    onnx_plans = plan(exported, load_rules(), ["expensive"]).plans
 
     def normalized(plans):
         out = {}
@@ -57,6 +63,24 @@ def test_same_rules_same_plans_on_both_backends(model):
     fx_keys, onnx_keys = normalized(fx_plans), normalized(onnx_plans)
     assert len(fx_keys) >= 8
     assert fx_keys == onnx_keys
+
+
+def test_attention_chunk_plans_are_found_on_both_backends(model, exported):
+    """The shipped attention rule, with its sizes lowered to this small model's scores
+    (8 MiB a layer, in 2 MiB slices): one type-3 plan per layer on the joint graph and on its ONNX
+    export, both growing two-phase regions (ONNX reductions read their axes from an input)."""
+    text = (Path(__file__).resolve().parent.parent / "rules" / "chunk.rule").read_text()
+    text = text.replace("bytes(scores) >= 16 MiB", "bytes(scores) >= 4 MiB").replace("bytes(scores) / 8 MiB",
+                                                                                  "bytes(scores) / 2 MiB")
+    rules = compile_text(text, "chunk.rule")
+    rules = rules.of_types({3})
+    fx_planning = plan(import_fx(fx_backend.joint_graph(model, model.example_inputs()), fold=False), rules)
+    onnx_planning = plan(exported, rules)
+    for planning in (fx_planning, onnx_planning):
+        [chunk] = [p for p in planning.plans if p.rules == ["chunk_attention_scores"]]
+        assert chunk.config_string() == "MatMul+:3:-1" and chunk.frequency == CFG.layers
+        assert all(len(region.phases) == 2 for region in chunk.occurrences)
+        assert chunk.occurrences[0].saved > 0
 
 
 SMALL = GPTConfig(vocab=256, d_model=64, layers=2, heads=4, seq=128, batch=4)

@@ -92,6 +92,18 @@ def _attribute_value(op_type: str, attr: onnx.AttributeProto) -> Any:
     return value
 
 
+_SMALL_INTS = 16
+
+
+def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
+    """A small integer constant (axes, a shape) goes into `meta["ints"]`, so the engine reads
+    it without ONNX."""
+    if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        array = onnx.numpy_helper.to_array(tensor)
+        if array.size <= _SMALL_INTS:
+            v.meta["ints"] = [int(x) for x in array.reshape(-1)]
+
+
 def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, Value]) -> Graph:
     types = {vi.name: vi.type for vi in list(proto.input) + list(proto.value_info) + list(proto.output)}
     scope: dict[str, Value] = dict(outer)
@@ -107,6 +119,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
     for init in proto.initializer:
         v = Value(init.name, to_ir(init.data_type), tuple(int(d) for d in init.dims),
                   is_initializer=True, data=init)
+        _note_small_ints(v, init)
         scope[init.name] = v
         initializers.append(v)
     inputs = []
@@ -138,6 +151,8 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
         if key not in defaults_cache:
             defaults_cache[key] = _attribute_defaults(np_.op_type, domain, opsets)
         node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs)
+        if op == "Constant" and isinstance(attrs.get("value"), onnx.TensorProto):
+            _note_small_ints(outs[0], attrs["value"])
         node.meta["attr_defaults"] = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
             node.meta["unnamed_outputs"] = [k for k, n in enumerate(np_.output) if not n]

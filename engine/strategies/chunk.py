@@ -159,6 +159,16 @@ def _param(node: Node, onnx_name: str, position: int) -> Any:
     return node.attrs.get(f"arg{position}")
 
 
+def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
+    """The `axes` attribute or ATen argument, or, from ONNX opset 13, the constant second input."""
+    axes = _int_list(_param(node, "axes", 1))
+    if axes is None and len(inputs) > 1:
+        axes = inputs[1].meta.get("ints")
+        if axes is None:
+            raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
+    return axes
+
+
 def _rank(v: Value) -> int:
     if v.shape is None:
         raise Refused(f"%{v.name} has no known shape")
@@ -206,8 +216,15 @@ def _broadcast(v: Value, out: Value, dims: int) -> dict[int, int]:
 
 def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
     """The DimMap of `node` under its declared kind; Refused when its parameters are unknown.
-    `inputs` stands for the node's inputs where the grower reads through skipped reshapes."""
+    `inputs` stands for the node's inputs where the grower reads through skipped reshapes.
+    Inputs a kind does not map (a shape, the axes of an ONNX reduction) carry no dim."""
     inputs = list(node.present_inputs()) if inputs is None else inputs
+    dm = _kind_map(node, kind, inputs)
+    dm.maps += [{} for _ in inputs[len(dm.maps):]]
+    return dm
+
+
+def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
     out = node.outputs[0]
     rank = _rank(out)
     if kind in ("pointwise", "expand", "like"):
@@ -241,7 +258,7 @@ def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
             axes = [_norm(-1 if axis is None else int(axis), r)]
             keep = True
         else:
-            axes = _int_list(_param(node, "axes", 1))
+            axes = _axes(node, inputs)
             axes = list(range(r)) if not axes else [_norm(a, r) for a in axes]
             keepdims = _param(node, "keepdims", 2)
             keep = rank == r if keepdims is None else bool(keepdims)
@@ -251,13 +268,13 @@ def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
             return DimMap([mapping], summed=[[(0, a)] for a in axes])
         return DimMap([mapping], blocked={(0, a) for a in axes})
     if kind == "unsqueeze":
-        axes = [_norm(a, rank) for a in _int_list(_param(node, "axes", 1)) or []]
+        axes = [_norm(a, rank) for a in _axes(node, inputs) or []]
         kept = [o for o in range(rank) if o not in axes]
         return DimMap([{o: i for i, o in enumerate(kept)}] + [{} for _ in inputs[1:]])
     if kind == "squeeze":
         src = inputs[0]
         r = _rank(src)
-        axes = _int_list(_param(node, "axes", 1))
+        axes = _axes(node, inputs)
         axes = [i for i in range(r) if _same(src.shape[i], 1)] if axes is None else [_norm(a, r) for a in axes]
         kept = [i for i in range(r) if i not in axes]
         return DimMap([{o: i for o, i in enumerate(kept)}] + [{} for _ in inputs[1:]])
@@ -592,8 +609,8 @@ class _Grower:
             value = evaluate(value, self.examples) if not isinstance(value, (int, float)) else value
         except Unproven as e:
             raise Refused(str(e)) from None
-        if value is None or value < 1:
-            raise Refused(f"`{action.count.text}` gives {value} chunks")
+        if value is None or value < 2:
+            raise Refused(f"`{action.count.text}` gives {value} chunk(s): nothing to run slice by slice")
         return int(value)
 
 
