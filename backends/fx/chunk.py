@@ -79,7 +79,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
         subgraphs: dict[int, str] = {}
         for size, sub in built.items():
-            attr = f"{name}_{k}_{len(subgraphs)}" if len(phases) > 1 else f"{name}_{len(subgraphs)}"
+            attr = f"{name}_{k}_{len(subgraphs)}"
             setattr(gm, attr, sub)
             subgraphs[size] = attr
         _rewire(graph, region, inputs, input_meta, outputs, output_meta, body, recomputed, in_region,

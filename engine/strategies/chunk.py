@@ -96,7 +96,6 @@ class ChunkRegion:
     nodes: list[Node]                           # in schedule order
     meta: dict[int, ChunkMeta]                  # value id -> meta, for region values and inputs
     inputs: list[Value]                         # read by the region from outside it
-    outputs: list[Value]                        # read outside the region
     chunks: list[int]                           # the size of each slice along the chunk dim
     tangent: Value | None = None                # the incoming gradient the scaled outputs get
     tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
@@ -106,6 +105,11 @@ class ChunkRegion:
     @property
     def key(self) -> str:
         return "".join(n.op_type + "+" for n in self.match.nodes)
+
+    @property
+    def outputs(self) -> list[Value]:
+        """The values read outside the region, phase by phase."""
+        return [o for phase in self.phases for o in phase.outputs]
 
     @property
     def plan_type(self) -> int:
@@ -239,8 +243,7 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         ma, mb = _broadcast(a, out, rank - 2), _broadcast(b, out, rank - 2)
         ma[rank - 2] = ra - 2
         mb[rank - 1] = rb - 1
-        maps = [ma, mb] + [{} for _ in inputs[2:]]
-        return DimMap(maps, summed=[[(0, ra - 1), (1, rb - 2)]])
+        return DimMap([ma, mb], summed=[[(0, ra - 1), (1, rb - 2)]])
     if kind == "transpose":
         perm = _int_list(_param(node, "perm", 1))
         if perm is None:
@@ -249,7 +252,7 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
             perm = [1, 0]
         return DimMap([{o: _norm(p, rank) for o, p in enumerate(perm)}])
     if kind == "reshape":
-        return DimMap([reshape_map(_shape(inputs[0]), out.shape)] + [{} for _ in inputs[1:]])
+        return DimMap([reshape_map(_shape(inputs[0]), out.shape)])
     if kind in ("sum", "reduce", "axis"):
         src = inputs[0]
         r = _rank(src)
@@ -270,14 +273,14 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
     if kind == "unsqueeze":
         axes = [_norm(a, rank) for a in _axes(node, inputs) or []]
         kept = [o for o in range(rank) if o not in axes]
-        return DimMap([{o: i for i, o in enumerate(kept)}] + [{} for _ in inputs[1:]])
+        return DimMap([{o: i for i, o in enumerate(kept)}])
     if kind == "squeeze":
         src = inputs[0]
         r = _rank(src)
         axes = _axes(node, inputs)
         axes = [i for i in range(r) if _same(src.shape[i], 1)] if axes is None else [_norm(a, r) for a in axes]
         kept = [i for i in range(r) if i not in axes]
-        return DimMap([{o: i for o, i in enumerate(kept)}] + [{} for _ in inputs[1:]])
+        return DimMap([{o: i for o, i in enumerate(kept)}])
     if kind in ("gather_elements", "scatter_elements"):
         axis = _norm(int(_param(node, "axis", 1) or 0), rank)
         every = {o: o for o in range(rank)}
@@ -516,8 +519,7 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count = self.count(action)
-        return ChunkRegion(self.match, nodes, self.meta, inputs, [o for ph in phases for o in ph.outputs],
-                           slice_sizes(self.size, count), tangent, chain,
+        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
                            [n for n in nodes if id(n) in self.elided], phases)
 
     def close_cycles(self) -> list[Value]:
@@ -527,11 +529,12 @@ class _Grower:
         output: the region runs in two phases, and those inputs are returned."""
         while True:
             below = self.downstream({id(o) for n in self.region.values() for o in n.outputs})
-            cyclic = [v for v in self.inputs.values() if id(v) in below]
-            late = [v for v in cyclic if not self.ctx.analysis.is_forward(v.producer)]
+            cyclic, late = [], []
+            for v in self.inputs.values():
+                if id(v) in below:
+                    (cyclic if self.ctx.analysis.is_forward(v.producer) else late).append(v)
             if late and not self.two_phase:
                 raise _TwoPhases()
-            cyclic = [v for v in cyclic if self.ctx.analysis.is_forward(v.producer)]
             if not cyclic:
                 return late
             for v in cyclic:
