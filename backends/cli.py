@@ -64,21 +64,18 @@ def cmd_apply(args) -> int:
     import onnx
 
     from backends.onnx.exporter import export_model
-    from engine.apply import apply
+    from backends.onnx.rewrite import apply_rules
 
     graph = _load(args)
-    result = apply(graph, _rules(args.rules), args.config, args.tier, _forward(args))
-    model = export_model(result.graph)
+    rewrite = apply_rules(graph, _rules(args.rules), args.config, args.tier, _forward(args))
+    model = export_model(rewrite.graph)
     onnx.save(model, args.output)
     inputs = Path(args.model).with_suffix(".inputs.npz")
     if inputs.exists():
         target = Path(args.output).with_suffix(".inputs.npz")
         if target.resolve() != inputs.resolve():
             target.write_bytes(inputs.read_bytes())
-    print(result.report())
-    if result.chunks:
-        print(f"\nnote: {len(result.chunks)} chunk region(s) planned; the ONNX backend does not build "
-              f"chunk regions yet (the torch backend does), so {args.output} runs them whole")
+    print(rewrite.report())
     print(f"\nwrote {args.output}")
     return 0
 

@@ -62,7 +62,7 @@ def analyze(graph: Graph, forward_outputs: Sequence[str] | None = None) -> Analy
         if id(node) in forward:
             continue
         forward.add(id(node))
-        stack.extend(v.producer for v in node.present_inputs() if v.producer is not None)
+        stack.extend(v.producer for v in node.reads() if v.producer is not None)
     position = graph.node_index()
     stashed = []
     constant = constant_values(graph)
@@ -112,7 +112,7 @@ def liveness(graph: Graph) -> Liveness:
         for out in node.outputs:
             birth[id(out)] = i
             death.setdefault(id(out), i)
-        for v in node.present_inputs():
+        for v in node.reads():
             death[id(v)] = i
     for v in graph.outputs:
         death[id(v)] = end

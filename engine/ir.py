@@ -73,6 +73,21 @@ class Node:
     def present_inputs(self) -> Iterator[Value]:
         return (v for v in self.inputs if v is not None)
 
+    def reads(self) -> Iterator[Value]:
+        """Every value the node needs: its inputs, and what its subgraphs read from outside
+        (an ONNX Loop body reads outer values by name, not through the Loop's inputs)."""
+        yield from self.present_inputs()
+        for sub in self.subgraphs.values():
+            yield from captured_values(sub)
+
+    def replace_input(self, old: Value, new: Value) -> None:
+        """Read `new` where the node, or a node of its subgraphs, reads `old`."""
+        self.inputs = [new if v is old else v for v in self.inputs]
+        for sub in self.subgraphs.values():
+            for node in sub.nodes:
+                node.replace_input(old, new)
+            sub.outputs = [new if v is old else v for v in sub.outputs]
+
     def __repr__(self) -> str:
         return f"Node({self.name or '?'}: {self.op})"
 
@@ -103,7 +118,7 @@ class Graph:
             for v in node.present_inputs():
                 v.users.append(node)
             for sub in node.subgraphs.values():
-                for v in _captured_values(sub):
+                for v in captured_values(sub):
                     v.users.append(node)
 
     def values(self) -> Iterator[Value]:
@@ -164,7 +179,7 @@ def _chain(*iterables: Iterable[Value]) -> Iterator[Value]:
         yield from it
 
 
-def _captured_values(sub: Graph) -> Iterator[Value]:
+def captured_values(sub: Graph) -> Iterator[Value]:
     """Values a subgraph reads from the enclosing scope."""
     defined = {id(v) for v in _chain(sub.inputs, sub.initializers)}
     for node in sub.nodes:
@@ -172,7 +187,7 @@ def _captured_values(sub: Graph) -> Iterator[Value]:
             if id(v) not in defined:
                 yield v
         for inner in node.subgraphs.values():
-            for v in _captured_values(inner):
+            for v in captured_values(inner):
                 if id(v) not in defined:
                     yield v
         defined.update(id(o) for o in node.outputs)

@@ -104,6 +104,23 @@ def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
             v.meta["ints"] = [int(x) for x in array.reshape(-1)]
 
 
+def _note_constant_ints(node: Node) -> None:
+    """`meta["ints"]` for a Constant's small integer output, and for the Concat of such
+    values (the exporter writes a reshape's target shape as a Concat of one-element constants)."""
+    out = node.outputs[0] if node.outputs else None
+    if node.op == "Constant":
+        if isinstance(node.attrs.get("value"), onnx.TensorProto):
+            _note_small_ints(out, node.attrs["value"])
+        elif "value_ints" in node.attrs and len(node.attrs["value_ints"]) <= _SMALL_INTS:
+            out.meta["ints"] = [int(x) for x in node.attrs["value_ints"]]
+        elif "value_int" in node.attrs:
+            out.meta["ints"] = [int(node.attrs["value_int"])]
+    elif node.op == "Concat" and node.attrs.get("axis") == 0:
+        parts = [v.meta.get("ints") if v is not None else None for v in node.inputs]
+        if parts and all(p is not None for p in parts) and sum(map(len, parts)) <= _SMALL_INTS:
+            out.meta["ints"] = [x for p in parts for x in p]
+
+
 def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, Value]) -> Graph:
     types = {vi.name: vi.type for vi in list(proto.input) + list(proto.value_info) + list(proto.output)}
     scope: dict[str, Value] = dict(outer)
@@ -151,8 +168,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
         if key not in defaults_cache:
             defaults_cache[key] = _attribute_defaults(np_.op_type, domain, opsets)
         node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs)
-        if op == "Constant" and isinstance(attrs.get("value"), onnx.TensorProto):
-            _note_small_ints(outs[0], attrs["value"])
+        _note_constant_ints(node)
         node.meta["attr_defaults"] = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
             node.meta["unnamed_outputs"] = [k for k, n in enumerate(np_.output) if not n]

@@ -57,8 +57,14 @@ CHUNK_KINDS = {
     "scatter_elements": "output dims follow the data; index and updates follow except the axis",
     "fill": "a new tensor from a shape: sliced by writing the chunk's size into the shape",
     "like": "a new tensor shaped like its input (ones_like): dims follow, values do not depend on it",
+    "shape": "the shape of its input (ONNX Shape, Size): a slice's shape, computed per slice",
+    "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
 }
+
+# Inputs an op of a kind reads only for their shape or type, not their values: nothing the
+# region computes flows through them, and a slice read there needs no dim in the output.
+TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -231,9 +237,9 @@ def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
 def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
     out = node.outputs[0]
     rank = _rank(out)
-    if kind in ("pointwise", "expand", "like"):
-        return DimMap([_broadcast(v, out, rank) for v in (inputs[:1] if kind == "expand" else inputs)])
-    if kind == "fill":
+    if kind in ("pointwise", "expand", "like", "cast_like"):
+        return DimMap([_broadcast(v, out, rank) for v in (inputs if kind == "pointwise" else inputs[:1])])
+    if kind in ("fill", "shape"):
         return DimMap([{} for _ in inputs])
     if kind == "matmul":
         a, b = inputs[0], inputs[1]
@@ -337,11 +343,12 @@ class _Grower:
         return v.nbytes is not None and self._bytes(v) >= self.threshold
 
     def downstream(self, seeds: set[int]) -> set[int]:
-        """Ids of the values computed from the values `seeds` names (seeds included). A `like`
-        op reads only its input's shape, so nothing passes through it."""
+        """Ids of the values computed from the values `seeds` names (seeds included). Nothing
+        passes through an input read for its shape or type only (TYPE_ONLY)."""
         out = set(seeds)
         for n in self.graph.nodes:
-            if self.kind_or_none(n) != "like" and any(id(v) in out for v in n.present_inputs()):
+            skip = TYPE_ONLY.get(self.kind_or_none(n), ())
+            if any(id(v) in out for i, v in enumerate(n.reads()) if i not in skip):
                 out.update(id(o) for o in n.outputs)
         return out
 
@@ -377,10 +384,14 @@ class _Grower:
                 self.elided.add(id(node))
                 self.meta[id(node.outputs[0])] = m
                 return
-        out_dim, need_sum = None, False
+        out_dim, need_sum, shape_only = None, False, False
+        type_only = TYPE_ONLY.get(kind, ())
         for i, v in enumerate(inputs):
             m = self.meta.get(id(v))
             if m is None or not (self.in_region(v) or id(v) in self.inputs):
+                continue
+            if i in type_only and not dm.maps[i]:
+                shape_only = True       # the slice's shape or type, computed anew in each slice
                 continue
             if m.need_sum:
                 raise Refused(f"{node.op} {node.name} reads %{v.name}, a partial sum over chunks")
@@ -400,9 +411,9 @@ class _Grower:
                 raise Refused(f"{node.op} {node.name}: its inputs are sliced along different dims")
             out_dim, need_sum = got_dim, got_sum
         if out_dim is None and not need_sum:
-            if required is None:
+            if required is None and not shape_only:
                 raise Refused(f"{node.op} {node.name} reads no sliced value")
-            out_dim = required.dim
+            out_dim = None if required is None else required.dim
         elif required is not None and required.dim != out_dim:
             raise Refused(f"{node.op} {node.name} is needed sliced along dim {required.dim}, "
                           f"but its inputs give dim {out_dim}")

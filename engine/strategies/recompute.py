@@ -223,7 +223,7 @@ class Rewriter:
             for user in list(target.users):
                 if id(user) in clone_ids or self.state.analysis.is_forward(user):
                     continue
-                user.inputs = [replacement if v is target else v for v in user.inputs]
+                user.replace_input(target, replacement)
                 target.users = [u for u in target.users if u is not user]
                 replacement.users.append(user)
                 pos = self._position(user)

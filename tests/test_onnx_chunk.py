@@ -1,0 +1,75 @@
+"""Chunking on ONNX training graphs: regions built as Loops give the unchunked loss and
+gradients in ONNX Runtime, and no value of the amplified size is left outside the Loop bodies."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+from backends.onnx.exporter import export_model  # noqa: E402
+from backends.onnx.importer import import_model  # noqa: E402
+from backends.onnx.rewrite import apply_rules  # noqa: E402
+from backends.onnx.runtime import max_relative_error, run  # noqa: E402
+from backends.onnx.torch_export import export_training_step  # noqa: E402
+from dsl.loader import compile_text  # noqa: E402
+
+from test_chunk import ATTENTION_RULE, CHUNK_RULE, Attention, Head, _inputs  # noqa: E402
+
+
+def _chunked(module, inputs, rule_text: str, count: int):
+    exported = export_training_step(module, inputs)
+    rules = compile_text(rule_text.format(count=count), "chunk.rule")
+    rewrite = apply_rules(import_model(exported.model), rules)
+    outputs = run(export_model(rewrite.graph), exported.feeds)
+    return exported, rewrite, outputs
+
+
+def _largest_outside_loops(graph) -> int:
+    return max(o.numel for n in graph.nodes if n.op != "Loop" for o in n.outputs if o.shape is not None)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(24, 96), vocab=st.integers(65, 300), chunks=st.sampled_from([2, 3, 5, 8]),
+       ignored=st.integers(0, 8), reduction=st.sampled_from(["mean", "sum"]))
+def test_chunked_cross_entropy_in_onnx_runtime_matches_torch(tokens, vocab, chunks, ignored, reduction):
+    torch.manual_seed(0)
+    model = Head(16, vocab, reduction)
+    exported, rewrite, outputs = _chunked(model, _inputs(tokens, 16, vocab, ignored), CHUNK_RULE, chunks)
+    assert rewrite.chunked == 1 and not rewrite.failures
+    loops = [n for n in rewrite.graph.nodes if n.op == "Loop"]
+    assert 1 <= len(loops) <= 2                     # one per slice size
+    assert _largest_outside_loops(rewrite.graph) < tokens * vocab
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+def test_chunked_attention_in_onnx_runtime_runs_two_loops_and_matches_torch():
+    torch.manual_seed(0)
+    model = Attention(4, 2)
+    seq = 34
+    exported, rewrite, outputs = _chunked(model, (torch.randn(2, seq, 4),), ATTENTION_RULE, 3)
+    assert rewrite.chunked == 1 and not rewrite.failures
+    assert [n.op for n in rewrite.graph.nodes].count("Loop") == 4      # 2 phases x (slices of 12, of 10)
+    assert _largest_outside_loops(rewrite.graph) < 2 * 2 * seq * seq
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+def test_a_region_the_onnx_builder_cannot_build_runs_whole(monkeypatch):
+    import backends.onnx.chunk as onnx_chunk
+    from engine.errors import GraphError
+
+    def unbuildable(phase, region, names):
+        raise GraphError(f"{region.nodes[0].name} cannot be built")
+
+    monkeypatch.setattr(onnx_chunk, "_phase_nodes", unbuildable)
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    exported, rewrite, outputs = _chunked(model, _inputs(64, 16, 200, 2), CHUNK_RULE, 4)
+    assert rewrite.chunked == 0 and not any(n.op == "Loop" for n in rewrite.graph.nodes)
+    [failure] = rewrite.failures
+    assert failure.startswith("chunk_head at ") and "cannot be built" in failure, failure
+    assert "not built: chunk_head" in rewrite.report()
+    assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
