@@ -1,7 +1,7 @@
 """`remat demo` (what `make demo` runs): a small GPT-like training step, end to end.
 
 Export the step to ONNX and check its gradients against torch, print the plan
-table, rewrite with the shipped rules (expensive tier on), and measure both
+table, rewrite with the shipped rules (expensive tier on; chunk regions as Loops), and measure both
 graphs in ONNX Runtime, each in its own process, on the same inputs.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ def run_demo(workdir: str | Path) -> int:
     from backends.onnx.importer import import_model
     from backends.onnx.runtime import max_relative_error, measure, run
     from backends.onnx.torch_export import export_gpt
+    from backends.onnx.rewrite import apply_rules
     from dsl.loader import load_rules
-    from engine.apply import apply
 
     workdir = Path(workdir)
     cfg = DEMO_CONFIG
@@ -29,11 +29,11 @@ def run_demo(workdir: str | Path) -> int:
     print(f"exported the training step to {path}; gradients match torch (largest relative error {error:.1e})")
     graph = import_model(path)
     rules = load_rules()
-    result = apply(graph, rules, tiers=["expensive"])
+    rewrite = apply_rules(graph, rules, tiers=["expensive"])
     print("\n== Plans (shipped rules, --tier expensive)\n")
-    print(result.report())
+    print(rewrite.report())
     out = workdir / "gpt_step.remat.onnx"
-    onnx.save(export_model(result.graph), str(out))
+    onnx.save(export_model(rewrite.graph), str(out))
     feeds = dict(np.load(path.with_suffix(".inputs.npz")))
     before, after = measure(path, feeds), measure(out, feeds)
     err, where = max_relative_error(run(out, feeds), run(path, feeds))

@@ -18,10 +18,10 @@ from dsl.loader import compile_text  # noqa: E402
 from test_chunk import ATTENTION_RULE, CHUNK_RULE, Attention, Head, _inputs  # noqa: E402
 
 
-def _chunked(module, inputs, rule_text: str, count: int):
+def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
     exported = export_training_step(module, inputs)
     rules = compile_text(rule_text.format(count=count), "chunk.rule")
-    rewrite = apply_rules(import_model(exported.model), rules)
+    rewrite = apply_rules(import_model(exported.model), rules, unrolled=unrolled)
     outputs = run(export_model(rewrite.graph), exported.feeds)
     return exported, rewrite, outputs
 
@@ -57,11 +57,21 @@ def test_chunked_attention_in_onnx_runtime_runs_two_loops_and_matches_torch():
     assert error <= 1e-4, where
 
 
+def test_unrolled_slices_match_torch_too():
+    """The builder's other mode, kept to measure the choice of Loops (bench/chunk.py)."""
+    torch.manual_seed(0)
+    model = Head(16, 150, "mean")
+    exported, rewrite, outputs = _chunked(model, _inputs(40, 16, 150, 3), CHUNK_RULE, 3, unrolled=True)
+    assert rewrite.chunked == 1 and not any(n.op == "Loop" for n in rewrite.graph.nodes)
+    assert sum(n.op == "Slice" for n in rewrite.graph.nodes) >= 3
+    assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
+
+
 def test_a_region_the_onnx_builder_cannot_build_runs_whole(monkeypatch):
     import backends.onnx.chunk as onnx_chunk
     from engine.errors import GraphError
 
-    def unbuildable(phase, region, names):
+    def unbuildable(phase, region, names, unrolled=False):
         raise GraphError(f"{region.nodes[0].name} cannot be built")
 
     monkeypatch.setattr(onnx_chunk, "_phase_nodes", unbuildable)

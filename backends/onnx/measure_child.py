@@ -1,4 +1,5 @@
-"""The measuring process of runtime.measure: `python -m backends.onnx.measure_child MODEL FEEDS N THREADS`."""
+"""The measuring processes of runtime.measure:
+`python -m backends.onnx.measure_child MODEL FEEDS N THREADS peak|time`."""
 from __future__ import annotations
 
 import json
@@ -17,33 +18,36 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def main(model_path: str, feeds_path: str, repeats: int, threads: int) -> None:
+def main(model_path: str, feeds_path: str, repeats: int, threads: int, mode: str) -> None:
     from backends.onnx.runtime import make_session
 
-    session = make_session(model_path, threads=threads, arena=False, cpu_only=True)
+    session = make_session(model_path, threads=threads, arena=mode == "time", cpu_only=True)
     wanted = {i.name for i in session.get_inputs()}
     with np.load(feeds_path) as data:
         feeds = {k: data[k] for k in data.files if k in wanted}
     session.run(None, feeds)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    rest = _status_kib("VmRSS")
-    session.run(None, feeds)
-    peak = _status_kib("VmHWM")
+    if mode == "peak":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rest = _status_kib("VmRSS")
+        session.run(None, feeds)
+        peak = _status_kib("VmHWM")
+        print(json.dumps({"peak_above_rest": (peak - rest) * 1024, "rest": rest * 1024,
+                          "provider": session.get_providers()[0]}))
+        return
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         session.run(None, feeds)
         times.append(time.perf_counter() - start)
-    print(json.dumps({"peak_above_rest": (peak - rest) * 1024, "rest": rest * 1024,
-                      "seconds": statistics.median(times), "provider": session.get_providers()[0]}))
+    print(json.dumps({"seconds": statistics.median(times)}))
 
 
 if __name__ == "__main__":
     from engine.errors import RematError
 
     try:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     except RematError as err:
         print(err, file=sys.stderr)
         sys.exit(1)

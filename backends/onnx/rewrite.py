@@ -43,8 +43,10 @@ class Rewrite:
 
 
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
-                tiers: Iterable[str] = (), forward_outputs: list[str] | None = None) -> Rewrite:
-    """`engine.apply` for ONNX graphs, with the chunk plans built."""
+                tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
+                unrolled: bool = False) -> Rewrite:
+    """`engine.apply` for ONNX graphs, with the chunk plans built (as Loops; `unrolled`: the
+    slices written out one by one, kept to measure the choice)."""
     entries = parse_config(config) if isinstance(config, str) else config
     chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
     other_entries = None if entries is None else [e for e in entries if e.type != 3]
@@ -60,7 +62,7 @@ def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | 
             break
         region = pending[0]
         try:
-            apply_chunk(result.graph, region)
+            apply_chunk(result.graph, region, unrolled)
         except GraphError as err:
             # The copy it was built on is dropped: the graph runs this region whole.
             unbuildable.add((region.match.rule.name, region.match.root.name))

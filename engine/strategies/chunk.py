@@ -66,6 +66,9 @@ CHUNK_KINDS = {
 # region computes flows through them, and a slice read there needs no dim in the output.
 TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
+# Set by a backend on the nodes it writes out for one slice: a slice is not chunked again.
+CHUNK_SLICE = "chunk_slice"
+
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
 
@@ -639,6 +642,9 @@ def slice_sizes(size: Any, count: int) -> list[int]:
 
 def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     action = next(a for a in match.rule.actions if isinstance(a, Chunk))
+    if match.root.meta.get(CHUNK_SLICE):
+        return Reason(action.location, f"{match.root.op} {match.root.name} already runs one slice of a "
+                                       f"chunk region")
     try:
         try:
             return _Grower(match, action, ctx).grow(action)
