@@ -85,17 +85,19 @@ class Result:
 
 
 def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
-          tiers: Iterable[str] = (), forward_outputs: list[str] | None = None) -> Result:
+          tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
+          lenient: bool = False) -> Result:
     """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied, and
     every chunk plan (type 3) is selected. Chunk plans are built by the backend that owns the
-    graph (backends.fx.chunk): they are returned in `Result.chunks`, not rewritten here."""
+    graph (backends.fx.chunk, backends.onnx.chunk): they are returned in `Result.chunks`, not
+    rewritten here. `lenient`: config entries naming no plan are skipped (see plans.select)."""
     if not isinstance(rules, RuleSet):
         raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
     entries = parse_config(config) if isinstance(config, str) else config
     peak_before = estimate_peak(graph, rules.views).peak_bytes
     work = graph.copy()
     planning = plan(work, rules, tiers, forward_outputs)
-    select(planning.plans, entries)
+    select(planning.plans, entries, lenient)
     chosen: list[tuple[Plan, Region]] = []
     for p in planning.plans:
         if p.requested:

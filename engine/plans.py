@@ -110,8 +110,11 @@ def parse_config(text: str, source: str = "config") -> list[ConfigEntry]:
     return entries
 
 
-def select(plans: list[Plan], config: list[ConfigEntry] | None) -> None:
-    """Set each plan's requested count. With no config every type-1 and type-3 plan is on."""
+def select(plans: list[Plan], config: list[ConfigEntry] | None, lenient: bool = False) -> None:
+    """Set each plan's requested count. With no config every type-1 and type-3 plan is on.
+    An entry naming no plan is an error, unless `lenient`: a backend that re-plans a graph it
+    has partly rewritten (chunk regions built) skips the plans the rewrite consumed, after
+    checking the config against the whole graph once."""
     if config is None:
         for p in plans:
             p.requested = -1 if p.type in (1, 3) else 0
@@ -119,6 +122,8 @@ def select(plans: list[Plan], config: list[ConfigEntry] | None) -> None:
     by_key = {(p.key, p.type): p for p in plans}
     for entry in config:
         plan = by_key.get((entry.key, entry.type))
+        if plan is None and lenient:
+            continue
         if plan is None:
             same_key = [p for p in plans if p.key == entry.key]
             listing = "\n".join(f"  {p.config_string()}  (frequency {p.frequency})" for p in plans) \

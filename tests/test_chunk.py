@@ -226,3 +226,25 @@ def test_chunked_attention_runs_in_two_phases_and_matches_eager(tmp_path_factory
     assert relative_error(loss, eager_loss) <= 1e-4
     for got, want in zip(grads, eager_grads):
         assert relative_error(got, want) <= 1e-4
+
+
+def test_a_config_naming_a_plan_chunking_consumes_still_compiles(fresh_compiles, tmp_path):
+    """The config comes from the plan table of the unchunked graph; the chunk region takes the
+    log-probabilities a recompute plan named, and the compile goes on without that plan."""
+    from test_onnx_chunk import RECOMPUTE_LOG_PROBS
+
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    inputs = _inputs(64, 16, 200, 2)
+    path = tmp_path / "chunk.rule"
+    path.write_text(CHUNK_RULE.format(count=4) + RECOMPUTE_LOG_PROBS)
+    planning = fx_backend.analyze(model, inputs, rules=[path], tiers=["expensive"], show=False)
+    config = ",".join(p.config_string() for p in planning.plans)
+    assert "MatMul+:3:-1" in config and ":1:-1" in config, config
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=[path], config=config, tiers=["expensive"])
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4

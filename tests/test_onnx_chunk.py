@@ -83,3 +83,39 @@ def test_a_region_the_onnx_builder_cannot_build_runs_whole(monkeypatch):
     assert failure.startswith("chunk_head at ") and "cannot be built" in failure, failure
     assert "not built: chunk_head" in rewrite.report()
     assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
+
+
+RECOMPUTE_LOG_PROBS = """
+rule recompute_log_probs {
+  match {
+    y = SoftmaxOp(x)
+    require saved(y)
+  }
+  rewrite {
+    recompute y
+  }
+}
+"""
+
+
+def test_a_config_naming_chunk_and_recompute_plans_is_checked_once_against_the_whole_graph():
+    """Recompute planned on the chunked graph no longer sees the plans chunking consumed (here:
+    recomputing the log-probabilities, which the chunk region computes slice by slice). The
+    config is checked against the graph before any region is built, so naming such a plan is
+    fine, and a name that matches nothing there is still an error."""
+    from engine.apply import plan
+    from engine.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    exported = export_training_step(model, _inputs(64, 16, 200, 2))
+    rules = compile_text(CHUNK_RULE.format(count=4) + RECOMPUTE_LOG_PROBS, "chunk.rule")
+    graph = import_model(exported.model)
+    config = ",".join(p.config_string() for p in plan(graph, rules, ["expensive"]).plans)
+    assert "MatMul+:3:-1" in config and ":1:-1" in config, config
+    rewrite = apply_rules(graph, rules, config=config, tiers=["expensive"])
+    assert rewrite.chunked == 1 and not rewrite.result.plans
+    outputs = run(export_model(rewrite.graph), exported.feeds)
+    assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
+    with pytest.raises(ConfigError, match="'Tanh\\+:1:-1' names no plan"):
+        apply_rules(graph, rules, config="MatMul+:3:-1,Tanh+:1:-1", tiers=["expensive"])

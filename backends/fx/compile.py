@@ -21,10 +21,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dsl.loader import load_rules
-from engine.apply import Result, apply
+from engine.apply import Result, apply, plan
 from engine.errors import GraphError
 from engine.patterns import RuleSet
-from engine.plans import parse_config
+from engine.plans import parse_config, select
 
 from .chunk import apply_chunk
 
@@ -67,9 +67,13 @@ class RematPass(CustomGraphPass):
         chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
         recompute_entries = None if entries is None else [e for e in entries if e.type != 3]
         chunk_rules = self.rules.of_types({3})
+        if recompute_entries and chunk_rules.rules:
+            # Checked against the graph before chunking; the plans chunking consumes are then skipped.
+            select(plan(import_fx(graph), self.rules.of_types({1, 2}), self.tiers).plans, recompute_entries)
         if chunk_rules.rules:
             self._chunk(graph, chunk_rules, chunk_entries)
-        result = apply(import_fx(graph), self.rules.of_types({1, 2}), recompute_entries, self.tiers)
+        result = apply(import_fx(graph), self.rules.of_types({1, 2}), recompute_entries, self.tiers,
+                       lenient=bool(self.chunked))
         by_name = {n.name: n for n in graph.nodes}
         for region in result.applied:
             for node in region.nodes:
@@ -83,7 +87,7 @@ class RematPass(CustomGraphPass):
         """Build chunk regions one at a time, re-planning on the rewritten graph after each
         (a built region's nodes are gone, so it is not offered again)."""
         for k in range(MAX_CHUNK_SITES):
-            result = apply(import_fx(graph, fold=False), rules, entries, self.tiers)
+            result = apply(import_fx(graph, fold=False), rules, entries, self.tiers, lenient=k > 0)
             if k == 0:
                 self.chunk_results.append(result)
                 if self.report is not None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.apply import Result, apply
+from engine.apply import Result, apply, plan
 from engine.errors import GraphError
 from engine.ir import Graph
 from engine.patterns import RuleSet
-from engine.plans import ConfigEntry, parse_config
+from engine.plans import ConfigEntry, parse_config, select
 
 from .chunk import apply_chunk
 
@@ -48,14 +48,18 @@ def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | 
     """`engine.apply` for ONNX graphs, with the chunk plans built (as Loops; `unrolled`: the
     slices written out one by one, kept to measure the choice)."""
     entries = parse_config(config) if isinstance(config, str) else config
+    tiers = tuple(tiers)
+    if entries is not None:
+        # Checked once against the whole graph: the re-plans below run on a graph whose chunk
+        # regions are built, and skip the plans those regions consumed.
+        select(plan(graph, rules, tiers, forward_outputs).plans, entries)
     chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
     other_entries = None if entries is None else [e for e in entries if e.type != 3]
-    tiers = tuple(tiers)
     chunk_rules = rules.of_types({3})
     work, first, chunked, failures = graph, None, 0, []
     unbuildable: set[tuple[str, str]] = set()
     while chunk_rules.rules and chunked < MAX_CHUNK_SITES:
-        result = apply(work, chunk_rules, chunk_entries, tiers, forward_outputs)
+        result = apply(work, chunk_rules, chunk_entries, tiers, forward_outputs, lenient=True)
         first = first or result
         pending = [r for r in result.chunks if (r.match.rule.name, r.match.root.name) not in unbuildable]
         if not pending:
@@ -73,5 +77,5 @@ def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | 
         for p in first.plans:
             if p.key == region.key and p.type == 3:
                 p.applied += 1
-    result = apply(work, rules.of_types({1, 2}), other_entries, tiers, forward_outputs)
+    result = apply(work, rules.of_types({1, 2}), other_entries, tiers, forward_outputs, lenient=True)
     return Rewrite(result, first, chunked, failures)
