@@ -10,7 +10,7 @@ to measure, one thread):
     then recompute);
   * the shipped rules with `--tier expensive`;
   * the same with one rule's plans left out, for each rule that fired: what that family contributes
-    (the two chunk rules share the plan key `MatMul+:3`, so they are left out together).
+    (the loss's chunk plan is `MatMul+LogSoftmax+`, the attention's `MatMul+Softmax+`).
 
 Prints a table, then the remat/original peak ratio last.
 

@@ -18,6 +18,11 @@ from .errors import GraphError
 from .shapes import Dim, format_shape, numel, simplify
 
 
+# Node meta: the op (IR name) a backend decomposed into this node and its neighbours, where
+# the node does not stand for it whole (an unfolded `log_softmax` became `amax`, `sub`, ...).
+DECOMPOSED_FROM = "decomposed_from"
+
+
 @dataclass(eq=False, slots=True)
 class Value:
     """An SSA value. `data` holds a constant's payload (opaque to the engine)."""

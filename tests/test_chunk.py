@@ -148,7 +148,7 @@ def test_chunk_plans_are_type_3_in_the_table():
     model = Head(16, 4096, "mean")
     planning = fx_backend.analyze(model, _inputs(1024, 16, 4096, 3), show=False)
     [chunk] = [p for p in planning.plans if p.type == 3]
-    assert chunk.config_string() == "MatMul+:3:-1" and chunk.rules == ["chunk_linear_cross_entropy"]
+    assert chunk.config_string() == "MatMul+LogSoftmax+:3:-1" and chunk.rules == ["chunk_linear_cross_entropy"]
 
 
 def test_a_region_the_fx_builder_cannot_build_is_skipped_with_a_warning(fresh_compiles, tmp_path, monkeypatch):
@@ -240,7 +240,7 @@ def test_a_config_naming_a_plan_chunking_consumes_still_compiles(fresh_compiles,
     path.write_text(CHUNK_RULE.format(count=4) + RECOMPUTE_LOG_PROBS)
     planning = fx_backend.analyze(model, inputs, rules=[path], tiers=["expensive"], show=False)
     config = ",".join(p.config_string() for p in planning.plans)
-    assert "MatMul+:3:-1" in config and ":1:-1" in config, config
+    assert "MatMul+LogSoftmax+:3:-1" in config and ":1:-1" in config, config
     want_loss, want_grads = _step(model, model, inputs)
     remat = fx_backend.backend(rules=[path], config=config, tiers=["expensive"])
     loss, grads = _step(model, torch.compile(model, backend=remat), inputs)

@@ -78,7 +78,7 @@ def test_attention_chunk_plans_are_found_on_both_backends(model, exported):
     onnx_planning = plan(exported, rules)
     for planning in (fx_planning, onnx_planning):
         [chunk] = [p for p in planning.plans if p.rules == ["chunk_attention_scores"]]
-        assert chunk.config_string() == "MatMul+:3:-1" and chunk.frequency == CFG.layers
+        assert chunk.config_string() == "MatMul+Softmax+:3:-1" and chunk.frequency == CFG.layers
         assert all(len(region.phases) == 2 for region in chunk.occurrences)
         assert chunk.occurrences[0].saved > 0
 

@@ -112,10 +112,10 @@ def test_a_config_naming_chunk_and_recompute_plans_is_checked_once_against_the_w
     rules = compile_text(CHUNK_RULE.format(count=4) + RECOMPUTE_LOG_PROBS, "chunk.rule")
     graph = import_model(exported.model)
     config = ",".join(p.config_string() for p in plan(graph, rules, ["expensive"]).plans)
-    assert "MatMul+:3:-1" in config and ":1:-1" in config, config
+    assert "MatMul+LogSoftmax+:3:-1" in config and ":1:-1" in config, config
     rewrite = apply_rules(graph, rules, config=config, tiers=["expensive"])
     assert rewrite.chunked == 1 and not rewrite.result.plans
     outputs = run(export_model(rewrite.graph), exported.feeds)
     assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
     with pytest.raises(ConfigError, match="'Tanh\\+:1:-1' names no plan"):
-        apply_rules(graph, rules, config="MatMul+:3:-1,Tanh+:1:-1", tiers=["expensive"])
+        apply_rules(graph, rules, config="MatMul+LogSoftmax+:3:-1,Tanh+:1:-1", tiers=["expensive"])

@@ -16,7 +16,7 @@ from torch import fx
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import Graph, Node, Value
+from engine.ir import DECOMPOSED_FROM, Graph, Node, Value
 from engine.shapes import parse_dim
 
 from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS
@@ -195,8 +195,11 @@ def _plain_node(fx_node: fx.Node, values: dict) -> Node:
     else:
         outs = [_value(fx_node.name, example)]
         values[fx_node] = outs[0]
-    return Node(op, tensor_args, outs, attrs, fx_node.name,
-                meta={"native_op": f"aten::{base}", "fx_nodes": [fx_node.name]})
+    meta = {"native_op": f"aten::{base}", "fx_nodes": [fx_node.name]}
+    original = fx_node.meta.get("original_aten")
+    if original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX:
+        meta[DECOMPOSED_FROM] = ATEN_TO_ONNX[_base_name(original)]
+    return Node(op, tensor_args, outs, attrs, fx_node.name, meta=meta)
 
 
 def _forward_outputs(output: fx.Node, values: dict, count: int | None) -> list[str]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..guards import Unproven, evaluate_expr
-from ..ir import Graph, Node, Value
+from ..ir import DECOMPOSED_FROM, Graph, Node, Value
 from ..matcher import Match, MatchContext, Reason
 from ..patterns import Chunk
 from ..shapes import evaluate
@@ -110,10 +110,16 @@ class ChunkRegion:
     tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
     elided: list[Node] = field(default_factory=list)          # reshapes the slices skip
     phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
+    normalizer: str = ""                        # the first op of kind `axis` in the region (or
+                                                # that a backend decomposed into region nodes)
 
     @property
     def key(self) -> str:
-        return "".join(n.op_type + "+" for n in self.match.nodes)
+        """The matched ops, then the first op of kind `axis` the region runs (the softmax or
+        log-softmax the amplified value feeds, decomposed or not), so the loss and the
+        attention, both matched at a MatMul, are two plans a config can turn on one at a time:
+        `MatMul+LogSoftmax+`, `MatMul+Softmax+`."""
+        return "".join(n.op_type + "+" for n in self.match.nodes) + (f"{self.normalizer}+" if self.normalizer else "")
 
     @property
     def outputs(self) -> list[Value]:
@@ -533,8 +539,10 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count = self.count(action)
+        normalizer = next((op.rpartition("::")[2] for op in (n.meta.get(DECOMPOSED_FROM, n.op) for n in nodes)
+                           if self.rules.chunkable.get(op) == "axis"), "")
         return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
-                           [n for n in nodes if id(n) in self.elided], phases)
+                           [n for n in nodes if id(n) in self.elided], phases, normalizer)
 
     def close_cycles(self) -> list[Value]:
         """Pull in every input computed from the region's own values (a small value between
