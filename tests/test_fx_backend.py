@@ -70,7 +70,7 @@ def test_attention_chunk_plans_are_found_on_both_backends(model, exported):
     (8 MiB a layer, in 2 MiB slices): one type-3 plan per layer on the joint graph and on its ONNX
     export, both growing two-phase regions (ONNX reductions read their axes from an input)."""
     text = (Path(__file__).resolve().parent.parent / "rules" / "chunk.rule").read_text()
-    text = text.replace("bytes(scores) >= 16 MiB", "bytes(scores) >= 4 MiB").replace("bytes(scores) / 8 MiB",
+    text = text.replace("bytes(scores) >= 16 MiB", "bytes(scores) >= 4 MiB").replace("bytes(scores) / 4 MiB",
                                                                                   "bytes(scores) / 2 MiB")
     rules = compile_text(text, "chunk.rule")
     rules = rules.of_types({3})
