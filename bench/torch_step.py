@@ -5,7 +5,8 @@ partitioner's activation_memory_budget at 0.5 and 0.1, and torch.compile(backend
 with the shipped rules (default tier, and --tier expensive). Peak is the whole process's
 VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, clear_refs),
 as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
-of --repeats steps in another process, with the default allocator (see main()). Loss and gradients are
+of --repeats steps in another process, with the default allocator (see main()); with --rounds R,
+the median over R such processes, the configurations interleaved. Loss and gradients are
 compared with eager. Prints the table, then the remat/compile peak ratio last.
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
@@ -171,6 +172,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
+    ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
     ap.add_argument("--child")
     ap.add_argument("--out", type=Path, default=Path("/tmp/remat-torch-step"))
     args = ap.parse_args()
@@ -184,24 +186,37 @@ def main() -> None:
     from backends.fx.saved import relative_error
 
     rows = {}
-    for name in args.configs:
-        # Two processes. The first fills Inductor's caches and is timed, with the default
-        # allocator: the mmap threshold that makes VmHWM trustworthy turns every large
-        # allocation into a fresh mapping whose pages fault in, a cost no real run pays, and
-        # one that grows with the number of buffers (chunked runs have more).
-        # The second measures the peak: a process that compiles from scratch keeps tens of
-        # MiB more (compile-time garbage) than one that loads from the cache, so every
-        # configuration's peak is taken from the same, cached, state.
-        timed = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name],
-                               capture_output=True, text=True, cwd=ROOT)
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
-                              env=env, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0 or timed.returncode != 0:
-            print(f"{name}: failed\n{(proc.stderr or timed.stderr)[-1500:]}")
-            continue
-        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows[name]["seconds"] = json.loads(timed.stdout.strip().splitlines()[-1])["seconds"]
+    timings: dict[str, list[float]] = {name: [] for name in args.configs}
+    for round_ in range(args.rounds):
+        for name in args.configs:
+            if round_ and name not in rows:
+                continue
+            # Two processes. The first fills Inductor's caches and is timed, with the default
+            # allocator: the mmap threshold that makes VmHWM trustworthy turns every large
+            # allocation into a fresh mapping whose pages fault in, a cost no real run pays, and
+            # one that grows with the number of buffers (chunked runs have more).
+            # The second measures the peak: a process that compiles from scratch keeps tens of
+            # MiB more (compile-time garbage) than one that loads from the cache, so every
+            # configuration's peak is taken from the same, cached, state.
+            # With --rounds R the timed processes run R times, the configurations interleaved,
+            # and each row gets the median: this machine's speed drifts between processes.
+            timed = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name],
+                                   capture_output=True, text=True, cwd=ROOT)
+            if timed.returncode != 0:
+                print(f"{name}: failed\n{timed.stderr[-1500:]}")
+                continue
+            timings[name].append(json.loads(timed.stdout.strip().splitlines()[-1])["seconds"])
+            if round_:
+                continue
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
+                                  env=env, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode != 0:
+                print(f"{name}: failed\n{proc.stderr[-1500:]}")
+                continue
+            rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, row in rows.items():
+        row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"
