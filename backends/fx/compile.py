@@ -67,13 +67,14 @@ class RematPass(CustomGraphPass):
         chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
         recompute_entries = None if entries is None else [e for e in entries if e.type != 3]
         chunk_rules = self.rules.of_types({3})
-        if recompute_entries and chunk_rules.rules:
+        checked = bool(recompute_entries) and bool(chunk_rules.rules)
+        if checked:
             # Checked against the graph before chunking; the plans chunking consumes are then skipped.
             select(plan(import_fx(graph), self.rules.of_types({1, 2}), self.tiers).plans, recompute_entries)
         if chunk_rules.rules:
             self._chunk(graph, chunk_rules, chunk_entries)
         result = apply(import_fx(graph), self.rules.of_types({1, 2}), recompute_entries, self.tiers,
-                       lenient=bool(self.chunked))
+                       lenient=checked)
         by_name = {n.name: n for n in graph.nodes}
         for region in result.applied:
             for node in region.nodes:

@@ -24,10 +24,8 @@ from onnx import numpy_helper
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import Graph, Node, Value, captured_values
+from engine.ir import Graph, Node, Value
 from engine.strategies.chunk import CHUNK_SLICE, ChunkPhase, ChunkRegion
-
-from .dtypes import to_onnx
 
 # Where an op's target shape sits among its inputs: rewritten to the slice's size when the op
 # makes a sliced value from a constant shape.
@@ -38,6 +36,7 @@ class _Names:
     """Fresh value and node names, unique across the graph and every subgraph."""
 
     def __init__(self, graph: Graph):
+        self.graph = graph
         self.taken: set[str] = set()
         self._collect(graph)
 
@@ -50,11 +49,7 @@ class _Names:
                 self._collect(sub)
 
     def __call__(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.taken:
-            name, k = f"{base}_{k}", k + 1
-        self.taken.add(name)
-        return name
+        return self.graph.fresh_name(base, self.taken)
 
 
 def _constant(names: _Names, base: str, array: np.ndarray) -> Value:
@@ -106,18 +101,17 @@ class _Graph:
         return v
 
     def add(self, op: str, inputs: list[Value | None], base: str, dtype: DType, shape: tuple | None,
-            attrs: dict | None = None, n_outputs: int = 1) -> Value:
-        outs = [Value(self.names(base if k == 0 else f"{base}_{k}"), dtype, shape) for k in range(n_outputs)]
-        self.nodes.append(Node(op, inputs, outs, dict(attrs or {}), self.names(f"{base}_node"),
+            attrs: dict | None = None) -> Value:
+        out = Value(self.names(base), dtype, shape)
+        self.nodes.append(Node(op, inputs, [out], dict(attrs or {}), self.names(f"{base}_node"),
                                meta={"attr_defaults": {}}))
-        return outs[0]
+        return out
 
 
-def _detach_type_reads(graph: Graph, region: ChunkRegion, names: _Names) -> list[Value]:
+def _detach_type_reads(graph: Graph, region: ChunkRegion, names: _Names) -> None:
     """The region reads values computed, through a shape or a type only, from its own outputs
     (the gradient seed `ones_like(loss)` is built from the loss's shape and type). Written
-    with the shape and type as constants, they no longer wait for the region. Returns the new
-    constants, which the caller adds as initializers."""
+    with the shape and type as constants, they no longer wait for the region."""
     region_ids = {id(n) for n in region.nodes}
     after = _downstream(graph, {id(o) for o in region.outputs})
     before: set[int] = set()
@@ -138,7 +132,9 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: _Names) -> list
             start, end = node.attrs.get("start", 0), node.attrs.get("end")
             c = _constant(names, f"{node.outputs[0].name}_static", np.array(shape[start:end], np.int64))
             made.append(c)
-            _replace_value(graph, node.outputs[0], c)
+            for user in node.outputs[0].users:
+                user.replace_input(node.outputs[0], c)
+            graph.outputs = [c if v is node.outputs[0] else v for v in graph.outputs]
             graph.nodes[k] = None
         elif node.op == "CastLike" and id(node.inputs[1]) in after:
             graph.nodes[k] = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype},
@@ -146,7 +142,6 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: _Names) -> list
     graph.nodes = [n for n in graph.nodes if n is not None]
     graph.initializers.extend(made)
     graph.link()
-    return made
 
 
 def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
@@ -155,13 +150,6 @@ def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
         if any(id(v) in out for v in n.reads()):
             out.update(id(o) for o in n.outputs)
     return out
-
-
-def _replace_value(graph: Graph, old: Value, new: Value) -> None:
-    for node in graph.nodes:
-        if node is not None:
-            node.inputs = [new if v is old else v for v in node.inputs]
-    graph.outputs = [new if v is old else v for v in graph.outputs]
 
 
 def _body(phase: ChunkPhase, region: ChunkRegion, names: _Names, size: int, offset: int,
@@ -241,11 +229,8 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: _Names,
     readers and graph outputs keep their names)."""
     g = _Graph(names)
     sums = [o for o in phase.outputs if region.meta_of(o).need_sum]
-    scans = [o for o in phase.outputs if not region.meta_of(o).need_sum]
-    for o in phase.outputs:
-        _static(o)
-        if region.meta_of(o).dim is None and not region.meta_of(o).need_sum:
-            raise GraphError(f"%{o.name} leaves the chunk region neither sliced nor summed")
+    scans = [o for o in phase.outputs if not region.meta_of(o).need_sum]   # sliced: the grower refuses others
+    scan_dims = [region.meta_of(o).dim % len(_static(o)) for o in scans]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(_static(o), np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
                     {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) for o in sums]
@@ -260,20 +245,17 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: _Names,
                     pieces[k].append(s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
-        stacked = []
-        for o in scans:
-            dim = region.meta_of(o).dim % len(o.shape)
-            stacked.append(Value(names(f"{o.name}_stacked"), o.dtype, (count, *_sliced_shape(o, dim, size))))
+        stacked = [Value(names(f"{o.name}_stacked"), o.dtype, (count, *_sliced_shape(o, dim, size)))
+                   for o, dim in zip(scans, scan_dims)]
         trip = g.const("trip_count", np.array(count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}, meta={"attr_defaults": {}}))
         totals = outs
-        for k, (o, s) in enumerate(zip(scans, stacked)):
-            pieces[k].append(_unstack(g, s, o, region.meta_of(o).dim % len(o.shape), count, size))
+        for k, (o, s, dim) in enumerate(zip(scans, stacked, scan_dims)):
+            pieces[k].append(_unstack(g, s, o, dim, count, size))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked"), meta={"attr_defaults": {}}))
-    for o, parts in zip(scans, pieces):
-        dim = region.meta_of(o).dim % len(o.shape)
+    for o, parts, dim in zip(scans, pieces, scan_dims):
         op, attrs = ("Concat", {"axis": dim}) if len(parts) > 1 else ("Identity", {})
         g.nodes.append(Node(op, parts, [o], attrs, names(f"{o.name}_chunked"), meta={"attr_defaults": {}}))
     return g.nodes, g.initializers
@@ -336,8 +318,7 @@ def sort_near(graph: Graph, rank: dict[int, tuple]) -> None:
     producer = {id(o): n for n in graph.nodes for o in n.outputs}
     deps: dict[int, set[int]] = {}
     for n in graph.nodes:
-        reads = [*n.present_inputs(), *(v for sub in n.subgraphs.values() for v in captured_values(sub))]
-        deps[id(n)] = {id(producer[id(v)]) for v in reads if id(v) in producer}
+        deps[id(n)] = {id(producer[id(v)]) for v in n.reads() if id(v) in producer}
     users: dict[int, list[Node]] = {id(n): [] for n in graph.nodes}
     for n in graph.nodes:
         for d in deps[id(n)]:
