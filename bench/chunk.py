@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# Benchmarks run remat strict: an internal error is raised, never hidden by a fallback.
+os.environ.setdefault("REMAT_STRICT", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_step import proc_status  # noqa: E402

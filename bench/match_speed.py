@@ -15,6 +15,7 @@ The ratio is printed last as `NNx`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+# Benchmarks run remat strict: an internal error is raised, never hidden by a fallback.
+os.environ.setdefault("REMAT_STRICT", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+# Benchmarks run remat strict: an internal error is raised, never hidden by a fallback.
+os.environ.setdefault("REMAT_STRICT", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "auto-chunker", "hand-chunked",
            "remat", "remat-expensive"]

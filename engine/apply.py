@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .analysis import Analysis, analyze, estimate_peak
 from .errors import RuleError
+from .failures import PlanFailure, Site, at_site, resolve_strict
 from .ir import Graph
 from .matcher import Match, MatchContext, Reason, match
 from .patterns import RuleSet
@@ -30,6 +31,7 @@ class Planning:
     plans: list[Plan]
     refusals: list[Refusal] = field(default_factory=list)
     tiers: tuple[str, ...] = ()
+    failures: list[PlanFailure] = field(default_factory=list)   # internal errors; those sites skipped
 
 
 def _priority(match: Match, analysis: Analysis) -> tuple[int, int, int]:
@@ -38,20 +40,33 @@ def _priority(match: Match, analysis: Analysis) -> tuple[int, int, int]:
 
 
 def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
-         forward_outputs: list[str] | None = None) -> Planning:
+         forward_outputs: list[str] | None = None, strict: bool | None = None,
+         excluded: frozenset[Site] = frozenset()) -> Planning:
+    """Every plan the enabled rules offer on `graph`. An internal error at one match is raised
+    when `strict` (default: the REMAT_STRICT environment variable), else that match is
+    skipped and recorded in `Planning.failures`. `excluded` sites are not matched at all."""
     tiers = tuple(tiers)
+    strict = resolve_strict(strict)
     unknown = set(tiers) - rules.tiers()
     if unknown:
         raise RuleError(f"unknown tier(s) {', '.join(sorted(unknown))}; the rules define: "
                         f"{', '.join(sorted(rules.tiers()))}")
     enabled = rules.enabled(tiers)
     analysis = analyze(graph, forward_outputs or graph.meta.get("forward_outputs"))
-    ctx = MatchContext(graph, enabled, analysis)
+    ctx = MatchContext(graph, enabled, analysis, excluded=excluded, strict=strict)
     state = StashState.of(analysis)
     plans: dict[tuple[str, int], Plan] = {}
     refusals = []
     for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
-        region = grow_chunk(m, ctx) if m.rule.plan_type == 3 else grow(m, ctx, state)
+        try:
+            with at_site(Site(m.rule.name, m.root.name), "grow"):
+                region = grow_chunk(m, ctx) if m.rule.plan_type == 3 else grow(m, ctx, state)
+        except PlanFailure as failure:
+            if strict:
+                raise
+            ctx.failures.append(failure)
+            refusals.append(Refusal(m, Reason(m.rule.location, str(failure))))
+            continue
         if isinstance(region, Reason):
             refusals.append(Refusal(m, region))
             continue
@@ -62,7 +77,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     for p in plans.values():
         p.occurrences.sort(key=lambda r: analysis.position[id(r.match.root)])
     ordered = sorted(plans.values(), key=lambda p: (p.type, p.key))
-    return Planning(graph, enabled, analysis, ordered, refusals, tiers)
+    return Planning(graph, enabled, analysis, ordered, refusals, tiers, ctx.failures)
 
 
 @dataclass
@@ -86,17 +101,20 @@ class Result:
 
 def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
           tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
-          lenient: bool = False) -> Result:
+          lenient: bool = False, strict: bool | None = None,
+          excluded: frozenset[Site] = frozenset()) -> Result:
     """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied, and
     every chunk plan (type 3) is selected. Chunk plans are built by the backend that owns the
     graph (backends.fx.chunk, backends.onnx.chunk): they are returned in `Result.chunks`, not
-    rewritten here. `lenient`: config entries naming no plan are skipped (see plans.select)."""
+    rewritten here. `lenient`: config entries naming no plan are skipped (see plans.select).
+    An internal error while rewriting one region raises a PlanFailure naming its site (the copy
+    is half edited): `engine.failures.with_fallback` runs the rewrite again without it."""
     if not isinstance(rules, RuleSet):
         raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
     entries = parse_config(config) if isinstance(config, str) else config
     peak_before = estimate_peak(graph, rules.views).peak_bytes
     work = graph.copy()
-    planning = plan(work, rules, tiers, forward_outputs)
+    planning = plan(work, rules, tiers, forward_outputs, strict, excluded)
     select(planning.plans, entries, lenient)
     chosen: list[tuple[Plan, Region]] = []
     for p in planning.plans:
@@ -114,11 +132,12 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     chunks = sorted((r for p, r in chosen if p.type == 3), key=lambda r: analysis.position[id(r.match.root)])
     chosen = [(p, r) for p, r in chosen if p.type != 3]
     for p, region in sorted(chosen, key=lambda pr: _priority(pr[1].match, analysis)):
-        fresh = grow(region.match, ctx, state)
-        if isinstance(fresh, Reason):
-            planning.refusals.append(Refusal(region.match, fresh))
-            continue
-        rewriter.apply(fresh)
+        with at_site(Site(region.match.rule.name, region.match.root.name), "rewrite", p.key):
+            fresh = grow(region.match, ctx, state)
+            if isinstance(fresh, Reason):
+                planning.refusals.append(Refusal(region.match, fresh))
+                continue
+            rewriter.apply(fresh)
         applied.append(fresh)
         p.applied += 1
     result_graph = rewriter.finish()

@@ -22,6 +22,12 @@ from .shapes import Dim, format_shape, numel, simplify
 # the node does not stand for it whole (an unfolded `log_softmax` became `amax`, `sub`, ...).
 DECOMPOSED_FROM = "decomposed_from"
 
+# Value meta: a constant operand that a backend writes inline in its op (a Python scalar
+# argument of an ATen op, `x / 8.0`). Importers turn such scalars into constant values, so an
+# op's operands sit at the same positions whichever exporter made the graph (ONNX's Div
+# reads its divisor as a tensor); a literal has no node of its own in the backend's graph.
+LITERAL = "literal"
+
 
 @dataclass(eq=False, slots=True)
 class Value:

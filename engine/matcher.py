@@ -15,6 +15,7 @@ from typing import Any
 from .analysis import Analysis, analyze
 from .dtypes import DType
 from .errors import SourceLocation
+from .failures import PlanFailure, Site, check_injected, injection_active
 from .guards import Unproven, decide, describe, evaluate_expr
 from .ir import Graph, Node, Value
 from .patterns import (CaptureRef, Expr, NodePattern, Rule, RuleSet, TypePattern,
@@ -50,8 +51,12 @@ class MatchContext:
     """What guards may ask about a graph. The analysis is computed on first use only."""
 
     def __init__(self, graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
-                 forward_outputs: list[str] | None = None):
+                 forward_outputs: list[str] | None = None, excluded: frozenset[Site] = frozenset(),
+                 strict: bool = True):
         self.graph = graph
+        self.excluded = excluded                  # sites dropped after an internal failure
+        self.strict = strict                      # raise internal failures instead of collecting them
+        self.failures: list[PlanFailure] = []     # internal failures at sites, collected when not strict
         self.rules = rules
         self._analysis = analysis
         self._forward_outputs = forward_outputs or graph.meta.get("forward_outputs")
@@ -357,7 +362,7 @@ def _check_types_and_guards(rule: Rule, bindings: dict[str, Any], ctx: MatchCont
             value = decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text)
         except Unproven as why:
             raise _Fail(guard.location, str(why)) from None
-        except (TypeError, ValueError, ZeroDivisionError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:   # / 0, a float too large, ...
             raise _Fail(guard.location, f"`{guard.text}` cannot be evaluated: {exc}") from None
         if not value:
             raise _Fail(guard.location, _guard_failure(guard.expr, bindings, ctx))
@@ -383,6 +388,8 @@ def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
     qualified = any("::" in op for op in index)  # only then can a node's native op name matter
     found: list[Match] = []
     get = index.get
+    excluded = ctx.excluded
+    injecting = injection_active()
     with _no_gc():
         for node in graph.nodes:
             candidates = get(node.op)
@@ -394,13 +401,23 @@ def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
             if not candidates:
                 continue
             for rule, match_root, checks in candidates:
+                if excluded and Site(rule.name, node.name) in excluded:
+                    continue
                 bindings: dict[str, Any] = {}
                 matched: list[Node] = []
                 try:
+                    if injecting:
+                        check_injected("match", rule.name, node.name)
                     match_root(node, bindings, matched)
                     if checks:
                         _check_types_and_guards(rule, bindings, ctx)
                 except _Fail:
+                    continue
+                except Exception as exc:    # a bug: drop this site, or raise when strict
+                    failure = PlanFailure(Site(rule.name, node.name), "match", exc)
+                    if ctx.strict:
+                        raise failure from exc
+                    ctx.failures.append(failure)
                     continue
                 found.append(Match(rule, node, matched, bindings))
     return found

@@ -7,6 +7,10 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The suite runs remat strict: an internal error is raised, never hidden by a fallback
+# (tests of the fallback itself pass strict=False).
+os.environ.setdefault("REMAT_STRICT", "1")
+
 settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None,

@@ -9,11 +9,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
-def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), report=None):
-    """A configured torch.compile backend (see backends.fx.compile)."""
+def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), report=None,
+            strict: bool | None = None):
+    """A configured torch.compile backend (see backends.fx.compile). `strict` (default: the
+    REMAT_STRICT environment variable): raise remat's internal errors instead of falling back."""
     from .compile import backend as make_backend
 
-    return make_backend(rules, config, tiers, report)
+    return make_backend(rules, config, tiers, report, strict)
 
 
 def joint_graph(model, example_inputs: Sequence):
@@ -30,18 +32,14 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
     Chunk plans are found on the joint graph op by op (decompositions unfolded), the others
     on the folded graph, as the torch.compile backend applies them."""
     from dsl.loader import load_rules
-    from engine.apply import plan
+    from engine.driver import plan_all
     from engine.plans import select
     from engine.report import plan_table
 
     from .importer import import_fx
 
     joint = joint_graph(model, example_inputs)
-    ruleset = load_rules(rules)
-    planning = plan(import_fx(joint), ruleset.of_types({1, 2}), tiers)
-    chunking = plan(import_fx(joint, fold=False), ruleset.of_types({3}), tiers)
-    planning.plans += chunking.plans
-    planning.refusals += chunking.refusals
+    planning = plan_all(lambda fold: import_fx(joint, fold=fold), load_rules(rules), tuple(tiers))
     select(planning.plans, None)
     if show:
         print(plan_table(planning))

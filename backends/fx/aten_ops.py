@@ -24,3 +24,14 @@ ATEN_TO_ONNX = {
 
 # Positional arguments that are attributes rules constrain, by ONNX name.
 ATTRIBUTE_ARGS = {"_softmax": {1: "axis"}, "_log_softmax": {1: "axis"}}
+
+# Positional arguments that are operands, even when the model passes a Python number (`x / 8.0`,
+# `torch.where(m, x, 0.0)`): the importer makes such a number a constant value at that position,
+# so ATen's scalar overloads read like ONNX's tensor operands.
+SCALAR_OPERANDS = {
+    "add": (0, 1), "sub": (0, 1), "rsub": (0, 1), "mul": (0, 1), "div": (0, 1), "pow": (0, 1),
+    "where": (1, 2), "eq": (0, 1), "ne": (0, 1), "lt": (0, 1), "le": (0, 1), "gt": (0, 1), "ge": (0, 1),
+    "maximum": (0, 1), "minimum": (0, 1), "clamp": (1, 2), "clamp_min": (1,), "clamp_max": (1,),
+    "fmod": (1,), "remainder": (1,), "masked_fill": (2,), "bitwise_and": (1,), "bitwise_or": (1,),
+    "bitwise_xor": (1,), "atan2": (0, 1), "floor_divide": (1,),
+}

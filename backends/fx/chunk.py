@@ -20,6 +20,7 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
+from engine.ir import LITERAL
 from engine.strategies.chunk import ChunkRegion
 
 aten = torch.ops.aten
@@ -67,8 +68,10 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     for phase in region.phases:
         body = [_fx(n.meta["fx_nodes"][0], by_name) for n in phase.nodes]
         meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
-        inputs = [_fx(v.name, by_name) for v in phase.inputs]
-        input_meta = [region.meta_of(v) for v in phase.inputs]
+        # A literal operand (`x / 8.0`) is written inline in the node that reads it.
+        read = [v for v in phase.inputs if not v.meta.get(LITERAL)]
+        inputs = [_fx(v.name, by_name) for v in read]
+        input_meta = [region.meta_of(v) for v in read]
         outputs = [_fx(v.name, by_name) for v in phase.outputs]
         output_meta = [region.meta_of(v) for v in phase.outputs]
         recomputed = {_fx(n.meta["fx_nodes"][0], by_name) for n in phase.recomputed}

@@ -1,12 +1,20 @@
 """`torch.compile(model, backend="remat")`: the rules decide, Inductor compiles.
 
 The engine runs on the AOTAutograd joint graph through Inductor's
-`joint_custom_pre_pass` hook: the graph is imported into the IR, the rules are applied,
-and every fx node of every applied recompute region is tagged
-`CheckpointPolicy.MUST_RECOMPUTE`, which the min-cut partitioner honours (it is the
-machinery selective activation checkpointing uses). The pass's `uuid` hashes the rules'
-content, the config and the tiers, so Inductor's caches never serve a graph compiled
-with other rules.
+`joint_custom_pre_pass` hook: `engine.rewrite` plans on the graph imported into the IR,
+chunk regions are built as `invoke_subgraph` calls (backends.fx.chunk), and every fx node
+of every applied recompute region is tagged `CheckpointPolicy.MUST_RECOMPUTE`, which the
+min-cut partitioner honours (it is the machinery selective activation checkpointing uses).
+Tagging fx nodes, rather than lowering the engine's rewritten IR, keeps the partitioner
+in charge of where a recompute runs and what the backward saves: it sees the tags and the
+whole joint graph, and the IR's clones would be merged back by its own CSE anyway. The
+pass's `uuid` hashes the rules' content, the config and the tiers, so Inductor's caches
+never serve a graph compiled with other rules.
+
+Nothing remat does may kill the user's training step. The pass works on a copy of the
+joint graph and writes it back only when the whole rewrite succeeded; an internal error at
+one site drops that site (engine.failures) and a failure it cannot place compiles the graph
+without remat, each with one warning. `strict=True` or `REMAT_STRICT=1` raises instead.
 """
 from __future__ import annotations
 
@@ -21,17 +29,16 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dsl.loader import load_rules
-from engine.apply import Result, apply, plan
-from engine.errors import GraphError
+from engine.apply import Result
+from engine.driver import Rewrite, rewrite
+from engine.failures import PlanFailure, Site, at_site, resolve_strict
+from engine.ir import Graph
 from engine.patterns import RuleSet
-from engine.plans import parse_config, select
+from engine.plans import parse_config
+from engine.strategies.chunk import ChunkRegion
 
 from .chunk import apply_chunk
-
 from .importer import import_fx
-
-
-MAX_CHUNK_SITES = 16
 
 
 @functools.cache
@@ -47,79 +54,144 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
+class FxBuilder:
+    """engine.rewrite's view of a joint graph: each attempt works on a fresh copy in its own
+    GraphModule, so a failed attempt leaves the user's graph as it was."""
+
+    built_as = "invoke_subgraph calls"
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.owner = graph.owning_module
+        self.work: fx.GraphModule | None = None
+        self.two_phase = False
+
+    def start(self) -> None:
+        copy = fx.Graph()
+        copy.output(copy.graph_copy(self.graph, {}))
+        self.work = fx.GraphModule(self.owner if self.owner is not None else {}, copy)
+        self.two_phase = False
+
+    def current(self, fold: bool) -> Graph:
+        return import_fx(self.work.graph, fold=fold)
+
+    def build(self, result: Result, region: ChunkRegion, index: int) -> None:
+        apply_chunk(self.work.graph, region, f"remat_chunk_{index}")
+        self.two_phase = self.two_phase or len(region.phases) > 1
+
+    def finish(self, result: Result) -> None:
+        by_name = {n.name: n for n in self.work.graph.nodes}
+        for region in result.applied:
+            with at_site(Site(region.match.rule.name, region.match.root.name), "build", region.key):
+                for node in region.nodes:
+                    for name in node.meta.get("fx_nodes", [node.name]):
+                        by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def commit(self) -> None:
+        """Write the working copy back into the user's graph (placeholders kept)."""
+        if not any(n.op == "get_attr" and n.target.startswith("remat_chunk_") for n in self.work.graph.nodes):
+            # Only tags changed: copy them onto the same-named nodes, leaving the graph's nodes alone.
+            tags = {n.name: n.meta["recompute"] for n in self.work.graph.nodes if "recompute" in n.meta}
+            for node in self.graph.nodes:
+                if node.name in tags:
+                    node.meta["recompute"] = tags[node.name]
+            return
+        for node in self.work.graph.nodes:
+            if node.op == "get_attr" and not hasattr(self.owner, node.target):
+                setattr(self.owner, node.target, getattr(self.work, node.target))
+        _replace_body(self.graph, self.work.graph)
+
+
+def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
+    """Make `graph` compute what `source` computes: its placeholders stay (AOTAutograd knows
+    them), every other node is replaced by a copy of `source`'s."""
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    old_output = next(n for n in graph.nodes if n.op == "output")
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    env = {n: placeholders[n.name] for n in source.nodes if n.op == "placeholder"}
+    for node in source.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            out = graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
+            out.meta = dict(old_output.meta)
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
-                 report: Callable[[str], None] | None = None):
+                 report: Callable[[str], None] | None = None, strict: bool | None = None):
         self.rules = rules
         self.config = config
         self.tiers = tuple(tiers)
         self.report = report
+        self.strict = resolve_strict(strict)
         self.results: list[Result] = []          # recompute and compromise, per joint graph
         self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
+        self.failures: list[str] = []            # internal errors, each warned once
+        if config is not None:
+            parse_config(config)                 # a malformed config is the caller's error, now
+
+    def warn(self, message: str) -> None:
+        if message not in self.failures:
+            self.failures.append(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _skipped(self, failure: PlanFailure) -> None:
+        self.warn(f"remat: {failure}; compiling without that plan")
 
     def __call__(self, graph: fx.Graph) -> None:
         owner = graph.owning_module
         if owner is not None and owner.meta.get("produced_by_chunker"):
             return      # a chunk's body: Inductor runs the joint passes on it too
-        entries = parse_config(self.config) if self.config is not None else None
-        chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
-        recompute_entries = None if entries is None else [e for e in entries if e.type != 3]
-        chunk_rules = self.rules.of_types({3})
-        checked = bool(recompute_entries) and bool(chunk_rules.rules)
-        if checked:
-            # Checked against the graph before chunking; the plans chunking consumes are then skipped.
-            select(plan(import_fx(graph), self.rules.of_types({1, 2}), self.tiers).plans, recompute_entries)
-        if chunk_rules.rules:
-            self._chunk(graph, chunk_rules, chunk_entries)
-        result = apply(import_fx(graph), self.rules.of_types({1, 2}), recompute_entries, self.tiers,
-                       lenient=checked)
-        by_name = {n.name: n for n in graph.nodes}
-        for region in result.applied:
-            for node in region.nodes:
-                for name in node.meta.get("fx_nodes", [node.name]):
-                    by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        self.results.append(result)
+        builder = FxBuilder(graph)
+        try:
+            done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                           on_failure=self._skipped)
+            builder.commit()
+        except Exception as err:
+            if self.strict:
+                raise
+            self.warn(f"remat: internal error, this graph is compiled without remat: "
+                      f"{type(err).__name__}: {err}")
+            return
+        self._record(done, builder)
+
+    def _record(self, done: Rewrite, builder: FxBuilder) -> None:
+        if done.chunk_result is not None:
+            self.chunk_results.append(done.chunk_result)
+        self.results.append(done.result)
+        self.chunked += done.chunked
+        for message in done.not_built:
+            self.chunk_failures.append(message)
+            warnings.warn(f"{message.replace(': ', ' was not built: ', 1)}", stacklevel=2)
+        if builder.two_phase:
+            # See compile_with_remat: read when AOTAutograd finishes partitioning this graph.
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
         if self.report is not None:
-            self.report(result.report())
-
-    def _chunk(self, graph: fx.Graph, rules: RuleSet, entries) -> None:
-        """Build chunk regions one at a time, re-planning on the rewritten graph after each
-        (a built region's nodes are gone, so it is not offered again)."""
-        for k in range(MAX_CHUNK_SITES):
-            result = apply(import_fx(graph, fold=False), rules, entries, self.tiers, lenient=k > 0)
-            if k == 0:
-                self.chunk_results.append(result)
-                if self.report is not None:
-                    self.report(result.report())
-            if not result.chunks:
-                return
-            region = result.chunks[0]
-            try:
-                apply_chunk(graph, region, f"remat_chunk_{k}")
-            except GraphError as err:
-                # Nothing was rewired yet: the graph runs unchunked, and the user is told why.
-                message = f"{region.match.rule.name} at {region.match.root.name} was not built: {err}"
-                self.chunk_failures.append(message)
-                warnings.warn(message, stacklevel=2)
-                return
-            self.chunked += 1
-            if len(region.phases) > 1:
-                # See compile_with_remat: read when AOTAutograd finishes partitioning this graph.
-                import torch._functorch.config as functorch_config
-
-                functorch_config.donated_buffer = False
+            self.report(done.report())
 
     def uuid(self) -> str:
         key = f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 
-def backend(rules: str | Path | Iterable | None = None, config: str | None = None,
-            tiers: Iterable[str] = (), report: Callable[[str], None] | None = None):
-    """A torch.compile backend: Inductor with the rules applied to the joint graph."""
-    remat_pass = RematPass(load_rules(rules), config, tiers, report)
+def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
+            tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
+            strict: bool | None = None):
+    """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
+    the shipped library by default) applied to the joint graph. `strict`
+    (default: the REMAT_STRICT environment variable) raises remat's internal errors instead
+    of compiling without the plan, or the graph without remat."""
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    remat_pass = RematPass(ruleset, config, tiers, report, strict)
 
     def compile_with_remat(gm: fx.GraphModule, example_inputs):
         import torch._functorch.config as functorch_config
@@ -135,8 +207,17 @@ def backend(rules: str | Path | Iterable | None = None, config: str | None = Non
         # puts the user's setting back afterwards. A one-phase region (the loss) keeps them: its
         # backward only scales the weight gradient, in place when the buffer is donated (measured:
         # 0.3-0.5 MiB off linear + cross-entropy's peak at 32 slices).
-        with inductor_config.patch(joint_custom_pre_pass=remat_pass), \
-                functorch_config.patch(donated_buffer=functorch_config.donated_buffer):
+        try:
+            with inductor_config.patch(joint_custom_pre_pass=remat_pass), \
+                    functorch_config.patch(donated_buffer=functorch_config.donated_buffer):
+                return compile_fx(gm, example_inputs)
+        except Exception as err:
+            if remat_pass.strict:
+                raise
+            # Inductor could not compile what remat made of the graph: compile it as it is.
+            # (An error of the user's own model is raised again from here, as without remat.)
+            remat_pass.warn(f"remat: compiling this graph failed after remat's rewrite, compiling "
+                            f"it without remat: {type(err).__name__}: {err}")
             return compile_fx(gm, example_inputs)
 
     compile_with_remat.remat_pass = remat_pass

@@ -11,15 +11,16 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import fx
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import DECOMPOSED_FROM, Graph, Node, Value
+from engine.ir import DECOMPOSED_FROM, LITERAL, Graph, Node, Value
 from engine.shapes import parse_dim
 
-from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS
+from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS
 
 _DTYPES = {
     torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
@@ -76,7 +77,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
     graph = source.graph if isinstance(source, fx.GraphModule) else source
     values: dict[fx.Node, Any] = {}
     inputs: list[Value] = []
-    attributes: list[Value] = []
+    attributes: list[Value] = []        # get_attr values and literal operands
     nodes: list[Node] = []
     emitted: set[tuple] = set()
     group_members: dict[tuple, list[fx.Node]] = {}
@@ -153,7 +154,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             emitted.add(key)
             nodes.append(node)
         elif fx_node.op == "call_function":
-            nodes.append(_plain_node(fx_node, values))
+            nodes.append(_plain_node(fx_node, values, attributes))
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
             result = Graph(nodes, inputs, outputs, attributes, name="joint")
@@ -169,17 +170,22 @@ def _flat_nodes(args: Any) -> list[fx.Node]:
     return out
 
 
-def _plain_node(fx_node: fx.Node, values: dict) -> Node:
+def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
     example = fx_node.meta.get("val")
     base = _base_name(fx_node.target)
     op = ATEN_TO_ONNX.get(base, f"aten::{base}")
     tensor_args, attrs = [], {}
     renames = ATTRIBUTE_ARGS.get(base, {})
+    operands = SCALAR_OPERANDS.get(base, ())
     for i, arg in enumerate(fx_node.args):
         if isinstance(arg, fx.Node):
             tensor_args.append(values[arg])
         elif isinstance(arg, (list, tuple)) and arg and all(isinstance(a, fx.Node) for a in arg):
             tensor_args.extend(values[a] for a in arg)
+        elif i in operands and isinstance(arg, (bool, int, float)):
+            literal = _literal(f"{fx_node.name}_arg{i}", arg, example, fx_node.args)
+            literals.append(literal)
+            tensor_args.append(literal)
         else:
             attrs[renames.get(i, f"arg{i}")] = arg
     for key, arg in fx_node.kwargs.items():
@@ -200,6 +206,17 @@ def _plain_node(fx_node: fx.Node, values: dict) -> Node:
     if original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX:
         meta[DECOMPOSED_FROM] = ATEN_TO_ONNX[_base_name(original)]
     return Node(op, tensor_args, outs, attrs, fx_node.name, meta=meta)
+
+
+def _literal(name: str, number: bool | int | float, example: Any, args: tuple) -> Value:
+    """A Python number an ATen op reads as an operand, as a constant 0-d value of the type the
+    op computes in (that of its output, or for a comparison, of its tensor operand)."""
+    like = example if isinstance(example, torch.Tensor) and example.dtype is not torch.bool else next(
+        (a.meta.get("val") for a in args if isinstance(a, fx.Node)), None)
+    dtype = _DTYPES.get(like.dtype, DType.UNKNOWN) if isinstance(like, torch.Tensor) else DType.UNKNOWN
+    value = Value(name, dtype, (), is_initializer=True, data=np.asarray(number))
+    value.meta[LITERAL] = True
+    return value
 
 
 def _forward_outputs(output: fx.Node, values: dict, count: int | None) -> list[str]:

@@ -66,6 +66,9 @@ CHUNK_KINDS = {
 # region computes flows through them, and a slice read there needs no dim in the output.
 TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
+# The operands each kind reads by position: a node with fewer is refused, not indexed past.
+MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1}
+
 # Set by a backend on the nodes it writes out for one slice: a slice is not chunked again.
 CHUNK_SLICE = "chunk_slice"
 
@@ -238,7 +241,15 @@ def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
     `inputs` stands for the node's inputs where the grower reads through skipped reshapes.
     Inputs a kind does not map (a shape, the axes of an ONNX reduction) carry no dim."""
     inputs = list(node.present_inputs()) if inputs is None else inputs
-    dm = _kind_map(node, kind, inputs)
+    if not node.outputs:
+        raise Refused(f"{node.op} {node.name} has no output")
+    need = MIN_INPUTS.get(kind, 1)
+    if len(inputs) < need:
+        raise Refused(f"{node.op} {node.name} has {len(inputs)} operand(s); a `{kind}` op reads {need}")
+    try:
+        dm = _kind_map(node, kind, inputs)
+    except (TypeError, ValueError) as exc:     # an attribute that is not what its kind reads
+        raise Refused(f"{node.op} {node.name}: an attribute `{kind}` reads is malformed ({exc})") from None
     dm.maps += [{} for _ in inputs[len(dm.maps):]]
     return dm
 
@@ -339,7 +350,12 @@ class _Grower:
         self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.meta.get("tangent")})
         for name in action.captures:
             v = match.value(name)
-            self.meta[id(v)] = ChunkMeta(_norm(action.dim, _rank(v)))
+            if not isinstance(v, Value):
+                raise Refused(f"`chunk over {name}`: {name} is a variadic capture, not one value")
+            rank = _rank(v)
+            if not -rank <= action.dim < rank:
+                raise Refused(f"chunk dim {action.dim} is out of range for %{v.name} ({name}), of rank {rank}")
+            self.meta[id(v)] = ChunkMeta(_norm(action.dim, rank))
             self.inputs[id(v)] = v
 
     def _bytes(self, v: Value) -> float:
@@ -442,6 +458,8 @@ class _Grower:
             if r is not None and self.should_pull(v):
                 self.include(v.producer, ChunkMeta(r))
                 continue
+            if r is not None and (v.shape is None or r >= len(v.shape)):
+                raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
             if r is not None and not _same(v.shape[r], self.size):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
                               f"{v.shape[r]} is not the chunked size {self.size}")
@@ -499,8 +517,11 @@ class _Grower:
                           f"incoming gradient")
         if sum(flags) > 1:
             raise Refused(f"{op} {node.name} multiplies the incoming gradient by itself")
-        if node.op_type == "Div" and flags[1]:
-            raise Refused(f"{op} {node.name} divides by the incoming gradient")
+        if node.op_type == "Div" and (len(flags) < 2 or flags[1]):
+            raise Refused(f"{op} {node.name} divides by the incoming gradient" if len(flags) > 1 else
+                          f"{op} {node.name} has no divisor operand")
+        if node.op_type == "Where" and len(flags) < 3:
+            raise Refused(f"{op} {node.name} has {len(flags)} operand(s), not a condition and two branches")
         if node.op_type == "Where":
             if flags[0] or not all(flags[i] or _zero(inputs[i]) for i in (1, 2)):
                 raise Refused(f"{op} {node.name} selects between the incoming gradient and a nonzero value")
@@ -629,13 +650,21 @@ class _Grower:
         return tangent, sorted(chain.values(), key=lambda n: self.position[id(n)])
 
     def count(self, action: Chunk) -> int:
+        what = f"`{action.count.text}`"
         try:
             value = evaluate_expr(action.count, self.match.bindings, self.ctx)
-            value = evaluate(value, self.examples) if not isinstance(value, (int, float)) else value
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                value = evaluate(value, self.examples)
         except Unproven as e:
             raise Refused(str(e)) from None
-        if value is None or value < 2:
-            raise Refused(f"`{action.count.text}` gives {value} chunk(s): nothing to run slice by slice")
+        except ZeroDivisionError:
+            raise Refused(f"{what} divides by zero") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise Refused(f"{what} is not a number of chunks: {exc}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise Refused(f"{what} gives {value!r}, not a number of chunks")
+        if value < 2:
+            raise Refused(f"{what} gives {value} chunk(s): nothing to run slice by slice")
         return int(value)
 
 

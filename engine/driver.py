@@ -1,0 +1,177 @@
+"""`engine.rewrite(builder, rules, ...)`: the one loop that applies rules to a backend's graph.
+
+Both backends apply rules the same way, so the loop lives here and a backend supplies only
+a `Builder`: its graph as IR, and how to build a chunk region in it.
+
+1. A config is checked once against the plans of the graph as given (chunk plans on the
+   graph op by op, the others on the graph with decomposed ops folded), which is what
+   `remat analyze` prints.
+2. Chunk regions are built one at a time, re-planning on the rewritten graph after each
+   (a built region's nodes are gone, so it is not offered again); a region the backend
+   cannot build is skipped and reported, and the next is tried.
+3. Recompute and compromise plans are applied to the chunked graph, so no recompute region
+   reaches into a value that chunking already removed.
+
+An internal error at one site (engine.failures) drops that site and runs the loop again
+from the graph as given (`with_fallback`); strict mode raises it instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .apply import Planning, Result, apply, plan
+from .errors import GraphError, RuleError
+from .failures import PlanFailure, Site, at_site, resolve_strict, with_fallback
+from .ir import Graph
+from .patterns import RuleSet
+from .plans import ConfigEntry, parse_config, select
+from .strategies.chunk import ChunkRegion
+
+MAX_CHUNK_SITES = 64
+
+
+class Builder(Protocol):
+    """What a backend supplies to `rewrite`."""
+
+    built_as: str      # how a chunk region is built, for the report ("ONNX Loops")
+
+    def start(self) -> None:
+        """Begin an attempt from the graph as given (an earlier attempt's edits dropped)."""
+
+    def current(self, fold: bool) -> Graph:
+        """The working graph as IR; `fold`: decomposed ops as one node (for recompute rules)."""
+
+    def build(self, result: Result, region: ChunkRegion, index: int) -> None:
+        """Rewrite the working graph so `region` (planned on `result.graph`) runs slice by
+        slice. Raise GraphError, having changed nothing, when it cannot be built."""
+
+    def finish(self, result: Result) -> None:
+        """Carry the applied recompute and compromise plans into the backend's graph."""
+
+
+@dataclass
+class Rewrite:
+    result: Result                          # recompute and compromise, on the chunked graph
+    chunk_result: Result | None             # the chunk plans, as first planned
+    built_as: str = "chunk regions"
+    chunked: int = 0                        # chunk regions built
+    not_built: list[str] = field(default_factory=list)          # planned but not buildable
+    failures: list[PlanFailure] = field(default_factory=list)   # internal errors: sites skipped
+
+    @property
+    def graph(self) -> Graph:
+        return self.result.graph
+
+    def report(self) -> str:
+        parts = []
+        if self.chunk_result is not None and self.chunk_result.plans:
+            parts.append(self.chunk_result.report())
+            parts.append(f"Built {self.chunked} chunk region(s) as {self.built_as}.")
+            parts.extend(f"not built: {f}" for f in self.not_built)
+        parts.append(self.result.report())
+        if self.failures:
+            parts.append("Skipped after an internal error (the rest was applied):\n"
+                         + "\n".join(f"  {f}" for f in self.failures))
+        return "\n\n".join(parts)
+
+
+def plan_all(current: Callable[[bool], Graph], rules: RuleSet, tiers: tuple[str, ...] = (),
+             forward_outputs: list[str] | None = None, strict: bool | None = None) -> Planning:
+    """The plan table of a backend's graph as `rewrite` sees it: chunk plans on the graph op
+    by op (`current(False)`), the others with decomposed ops folded (`current(True)`)."""
+    check_tiers(rules, tiers)
+    chunk_rules, other_rules = rules.of_types({3}), rules.of_types({1, 2})
+    planning = plan(current(True), other_rules, _known(other_rules, tiers), forward_outputs, strict)
+    if chunk_rules.rules:
+        chunking = plan(current(False), chunk_rules, _known(chunk_rules, tiers), forward_outputs, strict)
+        planning.plans += chunking.plans
+        planning.refusals += chunking.refusals
+        planning.failures += chunking.failures
+    return planning
+
+
+def check_tiers(rules: RuleSet, tiers: Iterable[str]) -> None:
+    unknown = set(tiers) - rules.tiers()
+    if unknown:
+        raise RuleError(f"unknown tier(s) {', '.join(sorted(unknown))}; the rules define: "
+                        f"{', '.join(sorted(rules.tiers()))}")
+
+
+def _known(rules: RuleSet, tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """The tiers a subset of the rules (chunk rules only, say) defines: the others were
+    checked against the whole set."""
+    return tuple(t for t in tiers if t in rules.tiers())
+
+
+def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
+            tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
+            strict: bool | None = None,
+            on_failure: Callable[[PlanFailure], None] | None = None) -> Rewrite:
+    """Apply `rules` to the builder's graph (see the module docstring). `on_failure` hears of
+    each internal error that made a site be skipped; strict mode raises the first instead."""
+    entries = parse_config(config) if isinstance(config, str) else config
+    tiers = tuple(tiers)
+    check_tiers(rules, tiers)
+    strict = resolve_strict(strict)
+    failures: list[PlanFailure] = []
+
+    def failed(failure: PlanFailure) -> None:
+        failures.append(failure)
+        if on_failure is not None:
+            on_failure(failure)
+
+    def attempt(excluded: frozenset[Site]) -> Rewrite:
+        builder.start()
+        return _attempt(builder, rules, entries, tiers, forward_outputs, strict, excluded)
+
+    done = with_fallback(attempt, strict, failed)
+    for failure in (f for r in (done.chunk_result, done.result) if r is not None for f in r.planning.failures):
+        failed(failure)
+    done.failures = failures
+    return done
+
+
+def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],
+             forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
+    if entries is not None:
+        # Checked once against the graph as given; the re-plans below skip the plans consumed.
+        select(plan_all(builder.current, rules, tiers, forward_outputs, strict).plans, entries)
+    chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
+    other_entries = None if entries is None else [e for e in entries if e.type != 3]
+    chunk_rules, other_rules = rules.of_types({3}), rules.of_types({1, 2})
+    first: Result | None = None
+    chunked, not_built = 0, []
+    unbuildable: set[Site] = set()
+    while chunk_rules.rules and chunked < MAX_CHUNK_SITES:
+        result = apply(builder.current(fold=False), chunk_rules, chunk_entries, _known(chunk_rules, tiers),
+                       forward_outputs,
+                       lenient=True, strict=strict, excluded=excluded)
+        first = first or result
+        pending = [r for r in result.chunks if _site(r) not in unbuildable]
+        if not pending:
+            break
+        region = pending[0]
+        try:
+            with at_site(_site(region), "build", region.key):
+                builder.build(result, region, chunked)
+        except PlanFailure as failure:
+            if not isinstance(failure.cause, GraphError):
+                raise
+            # Refused by the backend before it changed anything: the graph runs this region whole.
+            unbuildable.add(_site(region))
+            not_built.append(f"{region.match.rule.name} at {region.match.root.name}: {failure.cause}")
+            continue
+        chunked += 1
+        for p in first.plans:
+            if p.key == region.key and p.type == 3:
+                p.applied += 1
+    result = apply(builder.current(fold=True), other_rules, other_entries, _known(other_rules, tiers),
+                   forward_outputs, lenient=True, strict=strict, excluded=excluded)
+    builder.finish(result)
+    return Rewrite(result, first, builder.built_as, chunked, not_built)
+
+
+def _site(region: ChunkRegion) -> Site:
+    return Site(region.match.rule.name, region.match.root.name)
