@@ -22,8 +22,49 @@ ATEN_TO_ONNX = {
     "_to_copy": "Cast", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
 }
 
-# Positional arguments that are attributes rules constrain, by ONNX name.
-ATTRIBUTE_ARGS = {"_softmax": {1: "axis"}, "_log_softmax": {1: "axis"}}
+# Positional arguments that are attributes, by ONNX name: the IR spells an attribute one way
+# whichever exporter made the graph, and the engine never reads ATen argument positions.
+ATTRIBUTE_ARGS = {
+    "_softmax": {1: "axis"}, "_log_softmax": {1: "axis"}, "gather": {1: "axis"}, "scatter": {1: "axis"},
+    "permute": {1: "perm"}, "sum": {1: "axes", 2: "keepdims"}, "mean": {1: "axes", 2: "keepdims"},
+    "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
+    "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},
+    "full_like": {1: "value"},
+}
+KEYWORD_ATTRIBUTES = {"keepdim": "keepdims", "dim": "axes"}
+
+
+def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
+    """ATen's argument conventions in ONNX's: `axes` a list (or absent for every axis),
+    `keepdims` 0 or 1 and explicit (ATen keeps no dims by default, ONNX does), `perm` for every
+    transpose. `rank` is that of the first tensor input, where a convention needs it."""
+    out = {KEYWORD_ATTRIBUTES.get(k, k) if base in REDUCTIONS | {"squeeze", "unsqueeze"} else k: v
+           for k, v in attrs.items()}
+    if base in REDUCTIONS:
+        axes = out.get("axes")
+        out["axes"] = None if axes is None or axes == [] else [int(a) for a in _as_list(axes)]
+        if out["axes"] is None:
+            del out["axes"]
+        out["keepdims"] = int(bool(out.get("keepdims", False)))
+    elif base in ("squeeze", "unsqueeze") and "axes" in out:
+        out["axes"] = [int(a) for a in _as_list(out["axes"])]
+    elif base == "transpose" and rank is not None and "arg1" in out and "arg2" in out:
+        a, b = (int(out.pop(k)) % max(rank, 1) for k in ("arg1", "arg2"))
+        perm = list(range(rank))
+        perm[a], perm[b] = perm[b], perm[a]
+        out["perm"] = perm
+    elif base == "t" and rank is not None:
+        out["perm"] = list(range(rank))[::-1]
+    elif base == "permute" and "perm" in out:
+        out["perm"] = [int(p) for p in out["perm"]]
+    return out
+
+
+REDUCTIONS = {"sum", "mean", "amax", "amin"}
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 # Positional arguments that are operands, even when the model passes a Python number (`x / 8.0`,
 # `torch.where(m, x, 0.0)`): the importer makes such a number a constant value at that position,

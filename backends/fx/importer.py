@@ -20,7 +20,7 @@ from engine.errors import GraphError
 from engine.ir import DECOMPOSED_FROM, LITERAL, Graph, Node, Value
 from engine.shapes import parse_dim
 
-from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS
+from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS, canonical_attributes
 
 _DTYPES = {
     torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
@@ -195,6 +195,8 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
             attrs["to"] = _DTYPES[arg]
         else:
             attrs[key] = arg
+    first = next((a.meta.get("val") for a in _flat_nodes(fx_node.args)), None)
+    attrs = canonical_attributes(base, attrs, first.dim() if isinstance(first, torch.Tensor) else None)
     if isinstance(example, (list, tuple)):
         outs = [_value(f"{fx_node.name}_{k}", e) for k, e in enumerate(example)]
         values[fx_node] = outs

@@ -173,17 +173,14 @@ def _int_list(x: Any) -> list[int] | None:
         return None
 
 
-def _param(node: Node, onnx_name: str, position: int) -> Any:
-    """An attribute by its ONNX name, or the ATen argument at `position` (fx imports keep
-    non-tensor arguments as `argN`)."""
-    if onnx_name in node.attrs:
-        return node.attrs[onnx_name]
-    return node.attrs.get(f"arg{position}")
+def _param(node: Node, name: str) -> Any:
+    """An attribute by its ONNX name (importers spell every backend's arguments that way)."""
+    return node.attrs.get(name)
 
 
 def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
-    """The `axes` attribute or ATen argument, or, from ONNX opset 13, the constant second input."""
-    axes = _int_list(_param(node, "axes", 1))
+    """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
+    axes = _int_list(_param(node, "axes"))
     if axes is None and len(inputs) > 1:
         axes = inputs[1].meta.get("ints")
         if axes is None:
@@ -271,7 +268,7 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         mb[rank - 1] = rb - 1
         return DimMap([ma, mb], summed=[[(0, ra - 1), (1, rb - 2)]])
     if kind == "transpose":
-        perm = _int_list(_param(node, "perm", 1))
+        perm = _int_list(_param(node, "perm"))
         if perm is None:
             if rank != 2:
                 raise Refused(f"{node.op} {node.name}: no permutation")
@@ -283,13 +280,13 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         src = inputs[0]
         r = _rank(src)
         if kind == "axis":
-            axis = _param(node, "axis", 1)
+            axis = _param(node, "axis")
             axes = [_norm(-1 if axis is None else int(axis), r)]
             keep = True
         else:
             axes = _axes(node, inputs)
             axes = list(range(r)) if not axes else [_norm(a, r) for a in axes]
-            keepdims = _param(node, "keepdims", 2)
+            keepdims = _param(node, "keepdims")
             keep = rank == r if keepdims is None else bool(keepdims)
         kept = [i for i in range(r) if keep or i not in axes]
         mapping = {o: i for o, i in enumerate(kept) if keep is False or i not in axes}
@@ -308,7 +305,7 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         kept = [i for i in range(r) if i not in axes]
         return DimMap([{o: i for o, i in enumerate(kept)}])
     if kind in ("gather_elements", "scatter_elements"):
-        axis = _norm(int(_param(node, "axis", 1) or 0), rank)
+        axis = _norm(int(_param(node, "axis") or 0), rank)
         every = {o: o for o in range(rank)}
         others = {o: o for o in range(rank) if o != axis}
         if kind == "gather_elements":       # (data, index)
@@ -324,7 +321,7 @@ def _zero(v: Value) -> bool:
         return v.data is not None and getattr(v.data, "size", 0) == 1 and float(v.data.reshape(-1)[0]) == 0
     if any(True for _ in p.present_inputs()):
         return False
-    fill = p.attrs.get("value", p.attrs.get("arg0" if p.op_type == "scalar_tensor" else "arg1"))
+    fill = p.attrs.get("value")
     try:
         return float(fill) == 0
     except (TypeError, ValueError):
