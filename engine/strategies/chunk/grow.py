@@ -33,285 +33,22 @@ cannot carry, or a gradient an op is not linear in, is refused with a reason nam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..guards import Unproven, evaluate_expr
-from ..ir import DECOMPOSED_FROM, Graph, Node, Value
-from ..matcher import Match, MatchContext, Reason
-from ..patterns import Chunk
-from ..shapes import evaluate
-
-CHUNK_KINDS = {
-    "pointwise": "broadcasting elementwise: each output dim is the same dim of every input",
-    "matmul": "batch dims and rows from the first input, columns from the second; the "
-              "contracted dim is summed",
-    "transpose": "output dim i is input dim perm[i]",
-    "reshape": "a dim is kept where it has the same size after the same number of elements",
-    "sum": "a sum over axes: slicing a summed axis gives partial sums",
-    "reduce": "a reduction (max, mean) over axes: a reduced axis cannot be sliced",
-    "axis": "an op along one axis (softmax): every other dim can be sliced",
-    "unsqueeze": "inserts a dim of size 1",
-    "squeeze": "removes dims of size 1",
-    "gather_elements": "output dims follow the index; the data's other dims follow too",
-    "scatter_elements": "output dims follow the data; index and updates follow except the axis",
-    "fill": "a new tensor from a shape: sliced by writing the chunk's size into the shape",
-    "like": "a new tensor shaped like its input (ones_like): dims follow, values do not depend on it",
-    "shape": "the shape of its input (ONNX Shape, Size): a slice's shape, computed per slice",
-    "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
-    "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
-}
-
-# Inputs an op of a kind reads only for their shape or type, not their values: nothing the
-# region computes flows through them, and a slice read there needs no dim in the output.
-TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
-
-# The operands each kind reads by position: a node with fewer is refused, not indexed past.
-MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1}
-
-# Set by a backend on the nodes it writes out for one slice: a slice is not chunked again.
-CHUNK_SLICE = "chunk_slice"
+from ...guards import Unproven, evaluate_expr
+from ...ir import DECOMPOSED_FROM, Graph, Node, Value
+from ...matcher import Match, MatchContext, Reason
+from ...patterns import Chunk
+from ...shapes import evaluate
+from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
+from .region import CHUNK_SLICE, ChunkMeta, ChunkPhase, ChunkRegion
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
-    dim: int | None = None       # sliced along this dim: the chunks are concatenated
-    need_sum: bool = False       # a partial sum: the chunks are added
-    scaled: bool = False         # computed with the incoming gradient as one: multiply once at the end
-
-
-@dataclass
-class DimMap:
-    """How one node's output dims relate to its inputs' dims."""
-
-    maps: list[dict[int, int]]                  # per input position: output dim -> input dim
-    summed: list[list[tuple[int, int]]] = field(default_factory=list)   # (input, dim) summed together
-    blocked: set[tuple[int, int]] = field(default_factory=set)          # (input, dim) never sliced
-
-
-@dataclass
-class ChunkPhase:
-    """One pass over the slices: its nodes run once per slice."""
-
-    nodes: list[Node]                           # in schedule order
-    inputs: list[Value]                         # read from outside the phase
-    outputs: list[Value]                        # read outside the region
-    recomputed: list[Node] = field(default_factory=list)   # an earlier phase's nodes, run again here
-
-
-@dataclass
-class ChunkRegion:
-    match: Match
-    nodes: list[Node]                           # in schedule order
-    meta: dict[int, ChunkMeta]                  # value id -> meta, for region values and inputs
-    inputs: list[Value]                         # read by the region from outside it
-    chunks: list[int]                           # the size of each slice along the chunk dim
-    tangent: Value | None = None                # the incoming gradient the scaled outputs get
-    tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
-    elided: list[Node] = field(default_factory=list)          # reshapes the slices skip
-    phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
-    normalizer: str = ""                        # the first op of kind `axis` in the region (or
-                                                # that a backend decomposed into region nodes)
-
-    @property
-    def key(self) -> str:
-        """The matched ops, then the first op of kind `axis` the region runs (the softmax or
-        log-softmax the amplified value feeds, decomposed or not), so the loss and the
-        attention, both matched at a MatMul, are two plans a config can turn on one at a time:
-        `MatMul+LogSoftmax+`, `MatMul+Softmax+`."""
-        return "".join(n.op_type + "+" for n in self.match.nodes) + (f"{self.normalizer}+" if self.normalizer else "")
-
-    @property
-    def outputs(self) -> list[Value]:
-        """The values read outside the region, phase by phase."""
-        return [o for phase in self.phases for o in phase.outputs]
-
-    @property
-    def plan_type(self) -> int:
-        return 3
-
-    @property
-    def targets(self) -> list[Value]:
-        """The amplified value that is no longer built whole."""
-        return [self.match.root.outputs[0]]
-
-    @property
-    def saved(self) -> Any:
-        """Bytes of the amplified value that no longer exist at once: all but one slice."""
-        whole = self.targets[0].nbytes or 0
-        return whole - whole * max(self.chunks) // sum(self.chunks)
-
-    added = 0
-
-    @property
-    def net(self) -> Any:
-        return self.saved
-
-    def meta_of(self, value: Value) -> ChunkMeta:
-        return self.meta.get(id(value), ChunkMeta())
-
-
-class Refused(Exception):
-    pass
-
-
 class _TwoPhases(Exception):
     """The region's backward reads the gradient of its own output: grow it again in two phases."""
-
-
-def _int_list(x: Any) -> list[int] | None:
-    if x is None:
-        return None
-    if isinstance(x, int):
-        return [x]
-    try:
-        return [int(d) for d in x]
-    except (TypeError, ValueError):
-        return None
-
-
-def _param(node: Node, name: str) -> Any:
-    """An attribute by its ONNX name (importers spell every backend's arguments that way)."""
-    return node.attrs.get(name)
-
-
-def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
-    """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
-    axes = _int_list(_param(node, "axes"))
-    if axes is None and len(inputs) > 1:
-        axes = inputs[1].meta.get("ints")
-        if axes is None:
-            raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
-    return axes
-
-
-def _rank(v: Value) -> int:
-    if v.shape is None:
-        raise Refused(f"%{v.name} has no known shape")
-    return len(v.shape)
-
-
-def _norm(dim: int, rank: int) -> int:
-    return dim + rank if dim < 0 else dim
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except TypeError:
-        return False
-
-
-def _shape(v: Value) -> tuple:
-    _rank(v)
-    return v.shape
-
-
-def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
-    """Output dim -> input dim, for the dims a reshape keeps: same size, same number of
-    elements before them."""
-    mapping, before_in = {}, 1
-    prefix_out = [1]
-    for d in out:
-        prefix_out.append(prefix_out[-1] * d)
-    for i, d in enumerate(src):
-        for o, d_out in enumerate(out):
-            if _same(prefix_out[o], before_in) and _same(d_out, d):
-                mapping[o] = i
-                break
-        before_in = before_in * d
-    return mapping
-
-
-def _broadcast(v: Value, out: Value, dims: int) -> dict[int, int]:
-    """Output dim -> dim of `v` for the first `dims` output dims, numpy-aligned from the right,
-    where `v` has the output's size (a broadcast dim of size 1 is not carried)."""
-    shift = _rank(out) - _rank(v)
-    return {o: o - shift for o in range(dims) if o - shift >= 0 and _same(v.shape[o - shift], out.shape[o])}
-
-
-def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
-    """The DimMap of `node` under its declared kind; Refused when its parameters are unknown.
-    `inputs` stands for the node's inputs where the grower reads through skipped reshapes.
-    Inputs a kind does not map (a shape, the axes of an ONNX reduction) carry no dim."""
-    inputs = list(node.present_inputs()) if inputs is None else inputs
-    if not node.outputs:
-        raise Refused(f"{node.op} {node.name} has no output")
-    need = MIN_INPUTS.get(kind, 1)
-    if len(inputs) < need:
-        raise Refused(f"{node.op} {node.name} has {len(inputs)} operand(s); a `{kind}` op reads {need}")
-    try:
-        dm = _kind_map(node, kind, inputs)
-    except (TypeError, ValueError) as exc:     # an attribute that is not what its kind reads
-        raise Refused(f"{node.op} {node.name}: an attribute `{kind}` reads is malformed ({exc})") from None
-    dm.maps += [{} for _ in inputs[len(dm.maps):]]
-    return dm
-
-
-def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
-    out = node.outputs[0]
-    rank = _rank(out)
-    if kind in ("pointwise", "expand", "like", "cast_like"):
-        return DimMap([_broadcast(v, out, rank) for v in (inputs if kind == "pointwise" else inputs[:1])])
-    if kind in ("fill", "shape"):
-        return DimMap([{} for _ in inputs])
-    if kind == "matmul":
-        a, b = inputs[0], inputs[1]
-        ra, rb = _rank(a), _rank(b)
-        if ra < 2 or rb < 2:
-            raise Refused(f"{node.op} {node.name}: a 1-D operand")
-        ma, mb = _broadcast(a, out, rank - 2), _broadcast(b, out, rank - 2)
-        ma[rank - 2] = ra - 2
-        mb[rank - 1] = rb - 1
-        return DimMap([ma, mb], summed=[[(0, ra - 1), (1, rb - 2)]])
-    if kind == "transpose":
-        perm = _int_list(_param(node, "perm"))
-        if perm is None:
-            if rank != 2:
-                raise Refused(f"{node.op} {node.name}: no permutation")
-            perm = [1, 0]
-        return DimMap([{o: _norm(p, rank) for o, p in enumerate(perm)}])
-    if kind == "reshape":
-        return DimMap([reshape_map(_shape(inputs[0]), out.shape)])
-    if kind in ("sum", "reduce", "axis"):
-        src = inputs[0]
-        r = _rank(src)
-        if kind == "axis":
-            axis = _param(node, "axis")
-            axes = [_norm(-1 if axis is None else int(axis), r)]
-            keep = True
-        else:
-            axes = _axes(node, inputs)
-            axes = list(range(r)) if not axes else [_norm(a, r) for a in axes]
-            keepdims = _param(node, "keepdims")
-            keep = rank == r if keepdims is None else bool(keepdims)
-        kept = [i for i in range(r) if keep or i not in axes]
-        mapping = {o: i for o, i in enumerate(kept) if keep is False or i not in axes}
-        if kind == "sum":
-            return DimMap([mapping], summed=[[(0, a)] for a in axes])
-        return DimMap([mapping], blocked={(0, a) for a in axes})
-    if kind == "unsqueeze":
-        axes = [_norm(a, rank) for a in _axes(node, inputs) or []]
-        kept = [o for o in range(rank) if o not in axes]
-        return DimMap([{o: i for i, o in enumerate(kept)}])
-    if kind == "squeeze":
-        src = inputs[0]
-        r = _rank(src)
-        axes = _axes(node, inputs)
-        axes = [i for i in range(r) if _same(src.shape[i], 1)] if axes is None else [_norm(a, r) for a in axes]
-        kept = [i for i in range(r) if i not in axes]
-        return DimMap([{o: i for o, i in enumerate(kept)}])
-    if kind in ("gather_elements", "scatter_elements"):
-        axis = _norm(int(_param(node, "axis") or 0), rank)
-        every = {o: o for o in range(rank)}
-        others = {o: o for o in range(rank) if o != axis}
-        if kind == "gather_elements":       # (data, index)
-            return DimMap([others, every], blocked={(0, axis)})
-        return DimMap([every] + [others for _ in inputs[1:]], blocked={(i, axis) for i in range(1, len(inputs))})
-    raise Refused(f"unknown chunk kind {kind!r}")
 
 
 def _zero(v: Value) -> bool:
@@ -349,10 +86,10 @@ class _Grower:
             v = match.value(name)
             if not isinstance(v, Value):
                 raise Refused(f"`chunk over {name}`: {name} is a variadic capture, not one value")
-            rank = _rank(v)
+            rank = rank_of(v)
             if not -rank <= action.dim < rank:
                 raise Refused(f"chunk dim {action.dim} is out of range for %{v.name} ({name}), of rank {rank}")
-            self.meta[id(v)] = ChunkMeta(_norm(action.dim, rank))
+            self.meta[id(v)] = ChunkMeta(norm_dim(action.dim, rank))
             self.inputs[id(v)] = v
 
     def _bytes(self, v: Value) -> float:
@@ -457,7 +194,7 @@ class _Grower:
                 continue
             if r is not None and (v.shape is None or r >= len(v.shape)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
-            if r is not None and not _same(v.shape[r], self.size):
+            if r is not None and not same_size(v.shape[r], self.size):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
                               f"{v.shape[r]} is not the chunked size {self.size}")
             self.meta[id(v)] = ChunkMeta(r)
@@ -528,7 +265,7 @@ class _Grower:
         root = self.match.root
         over = [self.match.value(n) for n in action.captures]
         first = over[0]
-        self.size = first.shape[_norm(action.dim, _rank(first))]
+        self.size = first.shape[norm_dim(action.dim, rank_of(first))]
         self.include(root)
         start = self.position[id(root)]
         for node in self.graph.nodes[start + 1:]:

@@ -1,0 +1,12 @@
+"""Chunking: run a memory-amplifying region of a joint graph slice by slice.
+
+`kinds`: how each kind of op carries a sliced dim (declared per op in the rule files);
+`region`: the regions and per-value chunk metadata a backend builds; `grow`: how a region
+grows from a chunk rule's match (its docstring says how).
+"""
+from .grow import grow_chunk, slice_sizes
+from .kinds import CHUNK_KINDS, TYPE_ONLY, DimMap, Refused, dim_map, reshape_map
+from .region import CHUNK_SLICE, ChunkMeta, ChunkPhase, ChunkRegion
+
+__all__ = ["CHUNK_KINDS", "CHUNK_SLICE", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
+           "Refused", "dim_map", "grow_chunk", "reshape_map", "slice_sizes"]

@@ -1,0 +1,82 @@
+"""Chunk regions: what the grower found, and what a backend builds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...ir import Node, Value
+from ...matcher import Match
+
+# Set by a backend on the nodes it writes out for one slice: a slice is not chunked again.
+CHUNK_SLICE = "chunk_slice"
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    dim: int | None = None       # sliced along this dim: the chunks are concatenated
+    need_sum: bool = False       # a partial sum: the chunks are added
+    scaled: bool = False         # computed with the incoming gradient as one: multiply once at the end
+
+
+@dataclass
+class ChunkPhase:
+    """One pass over the slices: its nodes run once per slice."""
+
+    nodes: list[Node]                           # in schedule order
+    inputs: list[Value]                         # read from outside the phase
+    outputs: list[Value]                        # read outside the region
+    recomputed: list[Node] = field(default_factory=list)   # an earlier phase's nodes, run again here
+
+
+@dataclass
+class ChunkRegion:
+    match: Match
+    nodes: list[Node]                           # in schedule order
+    meta: dict[int, ChunkMeta]                  # value id -> meta, for region values and inputs
+    inputs: list[Value]                         # read by the region from outside it
+    chunks: list[int]                           # the size of each slice along the chunk dim
+    tangent: Value | None = None                # the incoming gradient the scaled outputs get
+    tangent_chain: list[Node] = field(default_factory=list)   # outside nodes to redo with it as one
+    elided: list[Node] = field(default_factory=list)          # reshapes the slices skip
+    phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
+    normalizer: str = ""                        # the first op of kind `axis` in the region (or
+                                                # that a backend decomposed into region nodes)
+
+    @property
+    def key(self) -> str:
+        """The matched ops, then the first op of kind `axis` the region runs (the softmax or
+        log-softmax the amplified value feeds, decomposed or not), so the loss and the
+        attention, both matched at a MatMul, are two plans a config can turn on one at a time:
+        `MatMul+LogSoftmax+`, `MatMul+Softmax+`."""
+        return "".join(n.op_type + "+" for n in self.match.nodes) + (f"{self.normalizer}+" if self.normalizer else "")
+
+    @property
+    def outputs(self) -> list[Value]:
+        """The values read outside the region, phase by phase."""
+        return [o for phase in self.phases for o in phase.outputs]
+
+    @property
+    def plan_type(self) -> int:
+        return 3
+
+    @property
+    def targets(self) -> list[Value]:
+        """The amplified value that is no longer built whole."""
+        return [self.match.root.outputs[0]]
+
+    @property
+    def saved(self) -> Any:
+        """Bytes of the amplified value that no longer exist at once: all but one slice."""
+        whole = self.targets[0].nbytes or 0
+        return whole - whole * max(self.chunks) // sum(self.chunks)
+
+    added = 0
+
+    @property
+    def net(self) -> Any:
+        return self.saved
+
+    def meta_of(self, value: Value) -> ChunkMeta:
+        return self.meta.get(id(value), ChunkMeta())
+
+
