@@ -9,16 +9,57 @@ from pathlib import Path
 
 from dsl.errors import RuleCompileError
 from engine.errors import RematError
+from engine.failures import PlanFailure
 
 
 def _dims(items: list[str] | None) -> dict[str, int]:
-    dims = {}
+    """`--dim NAME=N` options: positive sizes, each dim given one size."""
+    dims: dict[str, int] = {}
     for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit():
+        name, sep, value = (part.strip() for part in item.partition("="))
+        try:
+            size = int(value) if sep and name else None
+        except ValueError:
+            size = None
+        if size is None:
             raise RematError(f"--dim {item!r}: expected NAME=INTEGER, like batch=8")
-        dims[name.strip()] = int(value)
+        if size <= 0:
+            raise RematError(f"--dim {item!r}: dims are positive, not {size}")
+        if dims.get(name, size) != size:
+            raise RematError(f"--dim {name} is given twice, as {dims[name]} and {size}")
+        dims[name] = size
     return dims
+
+
+def _writable_file(path: str, option: str) -> Path:
+    """Check that `path` can be written, before any work: not a folder, in a folder that exists,
+    writable. Nothing is left behind (an existing file is opened to append, not truncated)."""
+    target = Path(path)
+    if not path.strip():
+        raise RematError(f"{option}: an empty file name")
+    if target.is_dir():
+        raise RematError(f"{option} {path}: is a directory; give a file name")
+    folder = target.parent
+    if not folder.exists():
+        raise RematError(f"{option} {path}: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise RematError(f"{option} {path}: {folder} is not a folder")
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise RematError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        target.unlink(missing_ok=True)
+    return target
+
+
+def _write(path: Path, data: bytes, option: str) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise RematError(f"{option} {path}: writing it failed ({exc.strerror or exc})") from None
 
 
 def _rules(paths: list[str] | None):
@@ -61,20 +102,24 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_apply(args) -> int:
-    import onnx
-
-    from backends.onnx.exporter import export_model
+    from backends.onnx.exporter import check_exported, export_model
     from backends.onnx.rewrite import apply_rules
+    from engine.plans import parse_config
 
-    graph = _load(args)
-    rewrite = apply_rules(graph, _rules(args.rules), args.config, args.tier, _forward(args))
-    model = export_model(rewrite.graph)
-    onnx.save(model, args.output)
+    config = None if args.config is None else parse_config(args.config, "--config")
+    output = _writable_file(args.output, "-o")
     inputs = Path(args.model).with_suffix(".inputs.npz")
-    if inputs.exists():
-        target = Path(args.output).with_suffix(".inputs.npz")
-        if target.resolve() != inputs.resolve():
-            target.write_bytes(inputs.read_bytes())
+    inputs_target = output.with_suffix(".inputs.npz")
+    copy_inputs = inputs.is_file() and inputs_target.resolve() != inputs.resolve()
+    if copy_inputs:
+        _writable_file(str(inputs_target), "-o (its inputs file)")
+    graph = _load(args)
+    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args))
+    model = export_model(rewrite.graph)
+    check_exported(model)
+    _write(output, model.SerializeToString(), "-o")
+    if copy_inputs:
+        _write(inputs_target, inputs.read_bytes(), "-o (its inputs file)")
     print(rewrite.report())
     print(f"\nwrote {args.output}")
     return 0
@@ -108,24 +153,65 @@ def cmd_explain(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from backends.onnx.feeds import feeds_for
+    from backends.onnx.feeds import check_feeds, feeds_for, feeds_source
+    from backends.onnx.importer import import_model
     from backends.onnx.runtime import max_relative_error, measure, run
 
-    feeds = feeds_for(args.model, args.inputs, _dims(args.dim))
+    for option, value in (("--repeats", args.repeats), ("--threads", args.threads)):
+        if value < 1:
+            raise RematError(f"{option} must be at least 1, not {value}")
+    dims = _dims(args.dim)
+    graph = import_model(args.model, dims)
+    feeds = feeds_for(args.model, args.inputs, dims, graph=graph)
+    if args.compare:
+        check_feeds(import_model(args.compare), feeds, feeds_source(args.model, args.inputs),
+                    args.compare, dims)
+        err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
+                                        args.compare, args.model)
     base = measure(args.model, feeds, repeats=args.repeats, threads=args.threads)
     print(f"{args.model}: peak {base.peak_mib:.1f} MiB above rest ({base.rest / 2**20:.1f} MiB), "
           f"step {base.seconds * 1000:.1f} ms on {base.provider}")
     if args.compare:
         other = measure(args.compare, feeds, repeats=args.repeats, threads=args.threads)
-        err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds))
         print(f"{args.compare}: peak {other.peak_mib:.1f} MiB above rest, step {other.seconds * 1000:.1f} ms")
-        print(f"peak ratio {other.peak_above_rest / base.peak_above_rest:.3f}, "
-              f"time ratio {other.seconds / base.seconds:.3f}, "
+        print(f"peak ratio {_ratio(other.peak_above_rest, base.peak_above_rest)}, "
+              f"time ratio {_ratio(other.seconds, base.seconds)}, "
               f"largest relative output difference {err:.2e} ({where})")
     return 0
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b > 0 else "n/a (the first measured 0)"
+
+
+def _check_gpt_sizes(args) -> None:
+    sizes = {"--vocab": args.vocab, "--d-model": args.d_model, "--layers": args.layers,
+             "--heads": args.heads, "--seq": args.seq, "--batch": args.batch}
+    for option, value in sizes.items():
+        if value < 1:
+            raise RematError(f"{option} must be at least 1, not {value}")
+    if args.d_model % args.heads:
+        raise RematError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    from backends.onnx.feeds import available_memory
+    from engine.shapes import format_bytes
+
+    d, tokens = args.d_model, args.batch * args.seq
+    params = 2 * args.vocab * d + args.seq * d + args.layers * 12 * d * d
+    activations = tokens * args.vocab * 3 + args.layers * (
+        args.batch * args.heads * args.seq ** 2 * 3 + tokens * d * 16)
+    # float32 bytes: the weights, their gradients and the exporters' copies (4x); the
+    # activations, their gradients (2x). A rough bound, to refuse sizes far beyond this machine.
+    need = 4 * (4 * params + 2 * activations)
+    available = available_memory()
+    if available is not None and need > available:
+        raise RematError(f"a GPT step of these sizes needs about {format_bytes(need)} to export and "
+                         f"check, more than the {format_bytes(available)} of memory available")
+
+
 def cmd_export_gpt(args) -> int:
+    _check_gpt_sizes(args)
+    _writable_file(args.output, "-o")
+    _writable_file(str(Path(args.output).with_suffix(".inputs.npz")), "-o (its inputs file)")
     from backends.models import GPTConfig
     from backends.onnx.torch_export import export_gpt
 
@@ -140,7 +226,13 @@ def cmd_export_gpt(args) -> int:
 def cmd_demo(args) -> int:
     from backends.demo import run_demo
 
-    return run_demo(args.workdir)
+    workdir = Path(args.workdir)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RematError(f"--workdir {workdir}: cannot create it ({exc.strerror or exc})") from None
+    _writable_file(str(workdir / "gpt_step.onnx"), "--workdir")
+    return run_demo(workdir)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -154,9 +246,16 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="enable an opt-in tier of rules, e.g. expensive (softmax, layer norm, matmul)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, `remat: error: ...`, exit status 1, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(1, f"remat: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="remat", description="Declarative activation-memory rewrites.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="remat", description="Declarative activation-memory rewrites.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("check", help="compile rule files and report every error")
     p.add_argument("rules", nargs="*", help="rule files or folders (default: the shipped library)")
     p.set_defaults(fn=cmd_check)
@@ -196,17 +295,28 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed
+        return done.code if isinstance(done.code, int) else int(done.code is not None)
     try:
         return args.fn(args)
     except RuleCompileError as err:
         print(err, file=sys.stderr)
         return 1
+    except PlanFailure as err:  # a bug in remat at one site, raised in strict mode (REMAT_STRICT=1)
+        if os.environ.get("REMAT_DEBUG"):
+            raise
+        print(f"remat: {err} (set REMAT_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 3
     except RematError as err:
         print(f"remat: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except MemoryError:
+        print(f"remat: error: {args.command}: ran out of memory; try smaller sizes (--dim)", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # the reader went away (`remat analyze ... | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -114,6 +114,7 @@ class Graph:
     name: str = "graph"
     dim_examples: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.link()
@@ -145,12 +146,24 @@ class Graph:
         """Position of each node (keyed by id) in the schedule."""
         return {id(n): i for i, n in enumerate(self.nodes)}
 
-    def fresh_name(self, base: str, taken: set[str]) -> str:
+    def fresh_name(self, base: str) -> str:
+        """A value or node name no other value or node of the graph (or its subgraphs) has, and
+        that no later call returns: the graph owns its namespace, like torch.fx's Graph."""
+        if self._names is None:
+            self._names = set()
+            self._collect_names(self)
         name, k = base, 1
-        while name in taken:
+        while name in self._names:
             name, k = f"{base}_{k}", k + 1
-        taken.add(name)
+        self._names.add(name)
         return name
+
+    def _collect_names(self, graph: "Graph") -> None:
+        self._names.update(v.name for v in graph.values())
+        for node in graph.nodes:
+            self._names.add(node.name)
+            for sub in node.subgraphs.values():
+                self._collect_names(sub)
 
     def copy(self) -> "Graph":
         """A copy of the nodes and values; constant payloads (`data`) are shared, not copied."""

@@ -71,16 +71,15 @@ class ConfigEntry:
 
 
 def parse_config(text: str, source: str = "config") -> list[ConfigEntry]:
-    """`KEY:TYPE:COUNT,...`, a JSON list of such strings, or a path to a JSON file holding one."""
+    """`KEY:TYPE:COUNT,...`, a JSON list of such strings, or a path to a JSON file holding one.
+
+    A config names at least one plan, each plan once."""
     text = text.strip()
     if not text:
-        return []
-    path = Path(text)
+        raise ConfigError(f"{source} is empty: name at least one plan, like Gelu+:1:-1 "
+                          "(leave the config out to apply the default plans)")
     if not text.startswith("[") and text.endswith(".json"):
-        try:
-            text, source = path.read_text().strip(), str(path)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        text, source = _read_config_file(Path(text))
     if text.startswith("["):
         try:
             items = json.loads(text)
@@ -90,24 +89,54 @@ def parse_config(text: str, source: str = "config") -> list[ConfigEntry]:
             raise ConfigError(f"{source}: a JSON config is a list of \"KEY:TYPE:COUNT\" strings")
     else:
         items = [i for i in text.split(",") if i.strip()]
-    entries = []
-    for k, item in enumerate(items):
-        parts = item.strip().rsplit(":", 2)
-        where = f"{source}: entry {k + 1} {item.strip()!r}"
-        if len(parts) != 3 or not parts[0]:
-            raise ConfigError(f"{where}: expected KEY:TYPE:COUNT, like Gelu+Reshape+:1:-1")
-        key, type_text, count_text = parts
-        try:
-            type_, count = int(type_text), int(count_text)
-        except ValueError:
-            raise ConfigError(f"{where}: TYPE and COUNT must be integers") from None
-        if type_ not in TYPE_NAMES:
-            raise ConfigError(f"{where}: TYPE {type_} is not one of "
-                              + ", ".join(f"{t} ({n})" for t, n in TYPE_NAMES.items()))
-        if count < -1 or count == 0:
-            raise ConfigError(f"{where}: COUNT must be -1 (all) or a positive number")
-        entries.append(ConfigEntry(key.strip(), type_, count, where))
+    entries = [_parse_entry(item, f"{source}: entry {k + 1} {item.strip()!r}")
+               for k, item in enumerate(items)]
+    if not entries:
+        raise ConfigError(f"{source} names no plan: name at least one, like Gelu+:1:-1 "
+                          "(leave the config out to apply the default plans)")
+    first: dict[tuple[str, int], int] = {}
+    for k, entry in enumerate(entries):
+        earlier = first.setdefault((entry.key, entry.type), k)
+        if earlier != k:
+            raise ConfigError(f"{entry.source}: plan {entry.key}:{entry.type} is already configured "
+                              f"by entry {earlier + 1} {items[earlier].strip()!r}; name each plan once")
     return entries
+
+
+def _read_config_file(path: Path) -> tuple[str, str]:
+    """The text of a config file, which must be non-empty UTF-8 text."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a JSON list of "
+                          "\"KEY:TYPE:COUNT\" strings)") from None
+    if not text:
+        raise ConfigError(f"config file {path} is empty; it should hold a JSON list of "
+                          "\"KEY:TYPE:COUNT\" strings")
+    if any(ord(c) < 32 and c not in "\t\n\r" for c in text):
+        raise ConfigError(f"config file {path} is not a text file (it holds control characters)")
+    return text, str(path)
+
+
+def _parse_entry(item: str, where: str) -> ConfigEntry:
+    parts = item.strip().rsplit(":", 2)
+    if len(parts) != 3 or not parts[0].strip():
+        raise ConfigError(f"{where}: expected KEY:TYPE:COUNT, like Gelu+Reshape+:1:-1")
+    key, type_text, count_text = parts
+    try:
+        type_, count = int(type_text), int(count_text)
+    except ValueError:
+        raise ConfigError(f"{where}: TYPE and COUNT must be integers") from None
+    if type_ not in TYPE_NAMES:
+        raise ConfigError(f"{where}: TYPE {type_} is not one of "
+                          + ", ".join(f"{t} ({n})" for t, n in TYPE_NAMES.items()))
+    if count < -1 or count == 0:
+        raise ConfigError(f"{where}: COUNT must be -1 (all) or a positive number")
+    return ConfigEntry(key.strip(), type_, count, where)
 
 
 def select(plans: list[Plan], config: list[ConfigEntry] | None, lenient: bool = False) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .plans import TYPE_NAMES, Plan
-from .shapes import evaluate, format_bytes, format_dim, simplify
+from .shapes import evaluate, format_bytes, format_dim, free_dims, simplify
 
 if TYPE_CHECKING:
     from .apply import Planning, Result
+    from .ir import Graph
 
 
 def _status(plan: Plan, applied_known: bool) -> str:
@@ -49,6 +50,48 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def symbolic_dims(graph: "Graph", inputs_only: bool = False) -> set[str]:
+    """The names of the dynamic dims in the shapes of `graph`'s values (subgraphs included), or
+    of its inputs only: the dims a user gives example sizes for (shape inference names the
+    sizes it cannot know `unk__N`; those show up inside a graph, never in its inputs)."""
+    names: set[str] = set()
+    for v in (graph.inputs if inputs_only else graph.values()):
+        for d in v.shape or ():
+            names |= free_dims(d)
+    if not inputs_only:
+        for node in graph.nodes:
+            for sub in node.subgraphs.values():
+                names |= symbolic_dims(sub)
+    return names
+
+
+_LISTED = 8
+
+
+def dims_without_example(planning: "Planning") -> list[str]:
+    """The dynamic dims of the graph's inputs and of the sizes in the plan table that have no
+    example size (the sizes that depend on them show as `?`)."""
+    used = symbolic_dims(planning.graph, inputs_only=True) | free_dims(planning.analysis.stashed_bytes())
+    for p in planning.plans:
+        used |= free_dims(p.saving())
+    return sorted(used - set(planning.graph.dim_examples))
+
+
+def dims_line(planning: "Planning") -> str:
+    """`Dims: batch=8, seq=512`, then the dims with no example size; `all static` only when
+    the graph has no dynamic dim that matters."""
+    examples = planning.graph.dim_examples
+    missing = dims_without_example(planning)
+    parts = [", ".join(f"{k}={v}" for k, v in sorted(examples.items()))] if examples else []
+    if missing:
+        shown = ", ".join(missing[:_LISTED]) + (f" and {len(missing) - _LISTED} more"
+                                                if len(missing) > _LISTED else "")
+        parts.append(f"{shown} symbolic with no example size (bytes that depend on "
+                     f"{'it' if len(missing) == 1 else 'them'} show as ?; give one with --dim "
+                     f"{missing[0]}=N)")
+    return "Dims: " + ("; ".join(parts) or "all static")
+
+
 def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
     examples = planning.graph.dim_examples
     rows = plan_rows(planning, applied_known=result is not None)
@@ -64,7 +107,7 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
         f"Stashed activations: {len(planning.analysis.stashed)} values, "
         f"{format_bytes(evaluate(stash, examples))}"
         + (f" = {format_dim(stash)}" if not isinstance(stash, int) else ""),
-        "Dims: " + (", ".join(f"{k}={v}" for k, v in sorted(examples.items())) or "all static"),
+        dims_line(planning),
         "Tiers: default" + "".join(f", {t}" for t in planning.tiers),
         "",
         _table(["Plan", "Type", "Status", "Config", "Freq", "Saved", "Saving (formula)"], body)
@@ -93,6 +136,7 @@ def plan_json(result: "Result | Planning") -> dict[str, Any]:
     examples = planning.graph.dim_examples
     out: dict[str, Any] = {
         "dims": examples,
+        "dims_without_example": dims_without_example(planning),
         "tiers": ["default", *planning.tiers],
         "stashed_values": len(planning.analysis.stashed),
         "stashed_bytes": evaluate(planning.analysis.stashed_bytes(), examples),

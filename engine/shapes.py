@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import reduce
+import numbers
 import operator
 import re
 
 import sympy
+
+from .errors import GraphError
 
 Dim = int | sympy.Expr
 
@@ -68,14 +71,22 @@ def free_dims(expr: Dim) -> set[str]:
     return {s.name for s in expr.free_symbols} if isinstance(expr, sympy.Expr) else set()
 
 
+def check_example(name: str, value: object) -> int:
+    """An example size of a dynamic dim: a positive integer, else GraphError naming the dim."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise GraphError(f"dim {name!r} has example size {value!r}; sizes are positive integers")
+    return int(value)
+
+
 def evaluate(expr: Dim, examples: Mapping[str, int]) -> int | None:
     """The value of `expr` at the example sizes, or None when a dim has no example."""
     if not isinstance(expr, sympy.Expr):
         return int(expr)
-    missing = free_dims(expr) - set(examples)
+    names = free_dims(expr)
+    missing = names - set(examples)
     if missing:
         return None
-    return int(expr.subs({symbol(n): v for n, v in examples.items() if n in free_dims(expr)}))
+    return int(expr.subs({symbol(n): check_example(n, examples[n]) for n in names}))
 
 
 def format_dim(expr: Dim) -> str:
@@ -89,9 +100,11 @@ def format_shape(shape: Sequence[Dim] | None) -> str:
 
 
 def format_bytes(n: int | None) -> str:
+    """`1.50 MiB`; `?` for a size that depends on a dim with no example. A negative count (a
+    saving that costs more than it saves) keeps its sign."""
     if n is None:
         return "?"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"

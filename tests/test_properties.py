@@ -82,4 +82,4 @@ def test_config_strings_parse_or_fail_cleanly(text):
     except ConfigError as err:
         assert str(err)
     else:
-        assert all(e.type in (1, 2) and (e.count == -1 or e.count > 0) for e in entries)
+        assert all(e.type in (1, 2, 3) and (e.count == -1 or e.count > 0) for e in entries)

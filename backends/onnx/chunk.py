@@ -19,6 +19,8 @@ unchunked, 887 MiB unrolled, 411 MiB as a Loop; step time 1.05x and 1.09x the or
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from onnx import numpy_helper
 
@@ -32,27 +34,7 @@ from engine.strategies.chunk import CHUNK_SLICE, ChunkPhase, ChunkRegion
 _SHAPE_INPUT = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0}
 
 
-class _Names:
-    """Fresh value and node names, unique across the graph and every subgraph."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.taken: set[str] = set()
-        self._collect(graph)
-
-    def _collect(self, graph: Graph) -> None:
-        for v in graph.values():
-            self.taken.add(v.name)
-        for node in graph.nodes:
-            self.taken.add(node.name)
-            for sub in node.subgraphs.values():
-                self._collect(sub)
-
-    def __call__(self, base: str) -> str:
-        return self.graph.fresh_name(base, self.taken)
-
-
-def _constant(names: _Names, base: str, array: np.ndarray) -> Value:
+def _constant(names: Callable[[str], str], base: str, array: np.ndarray) -> Value:
     name = names(base)
     v = Value(name, _IR_DTYPES[array.dtype.type], tuple(array.shape), is_initializer=True,
               data=numpy_helper.from_array(array, name))
@@ -90,7 +72,7 @@ def _sliced_shape(v: Value, dim: int | None, size: int) -> tuple | None:
 class _Graph:
     """A graph under construction: nodes appended in order, with fresh names."""
 
-    def __init__(self, names: _Names):
+    def __init__(self, names: Callable[[str], str]):
         self.names = names
         self.nodes: list[Node] = []
         self.initializers: list[Value] = []
@@ -108,7 +90,7 @@ class _Graph:
         return out
 
 
-def _detach_type_reads(graph: Graph, region: ChunkRegion, names: _Names) -> None:
+def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str], str]) -> None:
     """The region reads values computed, through a shape or a type only, from its own outputs
     (the gradient seed `ones_like(loss)` is built from the loss's shape and type). Written
     with the shape and type as constants, they no longer wait for the region."""
@@ -152,7 +134,7 @@ def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
     return out
 
 
-def _body(phase: ChunkPhase, region: ChunkRegion, names: _Names, size: int, offset: int,
+def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], size: int, offset: int,
           sums: list[Value], scans: list[Value]) -> Graph:
     """The Loop body for slices of `size` starting at `offset`: (iteration, cond, partial sums)
     in, (cond, partial sums, sliced outputs) out."""
@@ -222,7 +204,7 @@ def _groups(chunks: list[int]) -> list[tuple[int, int, int]]:
     return groups
 
 
-def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: _Names,
+def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str],
                  unrolled: bool = False) -> tuple[list[Node], list[Value]]:
     """The Loops of one phase (or, `unrolled`, their bodies written out once per slice) and
     what combines their results into the phase's outputs (the original output Values, so
@@ -292,7 +274,7 @@ def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, count: int, size:
 def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> None:
     """Rewrite `graph` in place so `region` runs slice by slice, one Loop per phase (`unrolled`:
     the slices written out one after another, which bench/chunk.py measures against Loops)."""
-    names = _Names(graph)
+    names = graph.fresh_name
     built = [_phase_nodes(phase, region, names, unrolled) for phase in region.phases]   # raises before editing
     graph.link()        # a body's own link() cleared the users of the outer values it reads
     _detach_type_reads(graph, region, names)

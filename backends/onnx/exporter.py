@@ -19,13 +19,34 @@ import onnx
 from onnx import helper
 
 from engine.dtypes import DType
+from engine.errors import RematError
 from engine.ir import Graph, Node, Value
 from engine.shapes import format_dim, is_static
 from engine.strategies.recompute import RECOMPUTE_REGION
 
 from .dtypes import DTYPE_ATTRIBUTES, to_onnx
-from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
+from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, describe_onnx_error
 from .ort_schedule import schedule_for_onnxruntime
+
+PROTOBUF_LIMIT = 2**31 - 1      # bytes: a larger ModelProto cannot be serialized in one piece
+
+
+class ExportBug(RuntimeError):
+    """A model remat wrote is not valid ONNX: a bug in remat, never a problem with the input."""
+
+
+def check_exported(model: onnx.ModelProto, what: str = "the rewritten model") -> None:
+    """`onnx.checker` with strict shape inference on a model remat built, before anyone writes
+    it: an invalid one raises ExportBug naming the node."""
+    size = model.ByteSize()
+    if size > PROTOBUF_LIMIT:
+        raise RematError(f"{what} is {size / 2**30:.1f} GiB, over protobuf's 2 GiB limit for one "
+                         f"model file; remat does not write weights as external data")
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise ExportBug(f"remat bug: {what} is not valid ONNX: {describe_onnx_error(exc)}; "
+                        f"nothing was written") from None
 
 
 
@@ -85,7 +106,6 @@ def _export_node(node: Node, inputs: list[str]) -> onnx.NodeProto:
 
 
 def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:
-    taken = {v.name for v in graph.values()}
     nodes: list[onnx.NodeProto] = []
     barrier_of: dict[tuple[int, int], str] = {}
     for node in graph.nodes:
@@ -100,8 +120,8 @@ def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:
                     and (v.producer is None or RECOMPUTE_REGION not in v.producer.meta)):
                 key = (region, id(v))
                 if key not in barrier_of:
-                    shape = graph.fresh_name(f"{v.name}_rc_shape", taken)
-                    barrier = graph.fresh_name(f"{v.name}_rc_view", taken)
+                    shape = graph.fresh_name(f"{v.name}_rc_shape")
+                    barrier = graph.fresh_name(f"{v.name}_rc_view")
                     nodes.append(helper.make_node("Shape", [v.name], [shape], name=f"{shape}_node"))
                     nodes.append(helper.make_node("Reshape", [v.name, shape], [barrier],
                                                   name=f"{barrier}_node"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ from onnx import helper, shape_inference
 
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
-from engine.shapes import parse_dim, symbol
+from engine.report import symbolic_dims
+from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
 
 from .dtypes import DTYPE_ATTRIBUTES, to_ir
 
@@ -24,30 +26,236 @@ def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
     path = Path(source)
     if not path.exists():
         raise GraphError(f"{path}: no such file")
+    if path.is_dir():
+        raise GraphError(f"{path}: is a directory, not an ONNX model file")
     try:
+        if path.stat().st_size == 0:
+            raise GraphError(f"{path}: is empty, not an ONNX model")
         return onnx.load(str(path))
+    except GraphError:
+        raise
+    except PermissionError:
+        raise GraphError(f"{path}: cannot read it (permission denied)") from None
     except Exception as exc:  # protobuf raises DecodeError and others
-        raise GraphError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+        raise GraphError(f"{path}: not a readable ONNX model ({type(exc).__name__}: "
+                         f"{one_line(str(exc))})") from None
 
 
 def import_model(source: str | Path | onnx.ModelProto,
                  dim_examples: dict[str, int] | None = None) -> Graph:
-    """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`."""
+    """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`.
+
+    The model is validated first (remat's structural checks, `onnx.checker`, strict shape
+    inference): a malformed model is a GraphError naming the model and the node, never a graph
+    that is rewritten and written out."""
     model = load_model(source)
+    label = model_label(source, model)
+    check_structure(model.graph, label)
+    check_onnx(model if isinstance(source, onnx.ModelProto) else Path(source), label)
     try:
-        inferred = shape_inference.infer_shapes(model, data_prop=True)
+        inferred = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise GraphError(f"ONNX shape inference failed: {exc}") from None
+        raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
     opsets = {op.domain or "": op.version for op in model.opset_import}
     graph = _import_graph(inferred.graph, opsets, outer={})
-    meta = {p.key: p.value for p in model.metadata_props}
-    if DIM_EXAMPLES_KEY in meta:
-        graph.dim_examples.update(json.loads(meta[DIM_EXAMPLES_KEY]))
-    if FORWARD_OUTPUTS_KEY in meta:
-        graph.meta["forward_outputs"] = json.loads(meta[FORWARD_OUTPUTS_KEY])
-    graph.dim_examples.update(dim_examples or {})
+    graph.verify()
+    _check_inferred_dims(graph, label)
+    examples, forward_outputs = read_metadata(model, label)
+    graph.dim_examples.update(examples)
+    if forward_outputs is not None:
+        graph.meta["forward_outputs"] = forward_outputs
+    graph.dim_examples.update(_check_dim_examples(graph, dim_examples or {}, label))
+    _check_dims_at_examples(graph, label)
     graph.meta["onnx_model"] = model
     return graph
+
+
+def model_label(source: str | Path | onnx.ModelProto, model: onnx.ModelProto) -> str:
+    """How errors name a model: its path as given, else its graph's name."""
+    if isinstance(source, onnx.ModelProto):
+        return f"model {model.graph.name or '(unnamed)'!r}"
+    return str(source)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+_CHECKER_NODE = re.compile(r"==> Context: Bad node spec for node\. Name: (\S*) OpType: (\S+)")
+_INFERENCE_NODE = re.compile(r"\(op_type:([^,]+), node name: ([^)]*)\): (?:\[\w+\] )?([^\n]*)")
+
+
+def describe_onnx_error(exc: Exception) -> str:
+    """One line from an `onnx.checker` or shape-inference error, naming the node it is about."""
+    text = str(exc)
+    inferred = _INFERENCE_NODE.search(text)
+    if inferred:
+        op, name, message = inferred.groups()
+        return f"{_node_words(name, op)}: {one_line(message)}"
+    checked = _CHECKER_NODE.search(text)
+    if checked:
+        name, op = checked.groups()
+        return f"{_node_words(name, op)}: {one_line(text[:checked.start()])}"
+    return one_line(text) or type(exc).__name__
+
+
+def _node_words(name: str, op: str) -> str:
+    return f"node {name!r} ({op.strip()})" if name else f"an unnamed {op.strip()} node"
+
+
+def check_onnx(model: onnx.ModelProto | Path, label: str) -> None:
+    """`onnx.checker.check_model` (a path is checked from the file, so models over 2 GiB work)."""
+    try:
+        onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
+    except Exception as exc:  # ValidationError, and ValueError for a proto over 2 GiB
+        raise GraphError(f"{label}: {describe_onnx_error(exc)} (onnx.checker)") from None
+
+
+_ELEM_TYPES = set(onnx.TensorProto.DataType.values())
+
+
+def check_structure(graph: onnx.GraphProto, label: str, outer: frozenset[str] = frozenset()) -> None:
+    """remat's own checks, each naming the node or value: every name assigned once and defined
+    before it is read (a cycle reads a value before it is defined), an op on every node,
+    known element types, no negative dims, positive dims on graph inputs."""
+    where = "" if not outer else f" of subgraph {graph.name!r}"
+    defined: dict[str, str] = {}
+
+    def define(name: str, what: str) -> None:
+        if name in defined:
+            raise GraphError(f"{label}: {what} assigns {name!r}, which {defined[name]} already "
+                             f"assigns (each value name is assigned once)")
+        defined[name] = what
+
+    for init in graph.initializer:
+        define(init.name, f"initializer {init.name!r}{where}")
+        _check_tensor_type(init.data_type, init.dims, f"initializer {init.name!r}", label, positive=False)
+    for vi in graph.input:
+        if defined.get(vi.name, "").startswith("initializer"):
+            continue
+        define(vi.name, f"graph input {vi.name!r}{where}")
+        _check_value_info(vi, f"graph input {vi.name!r}", label, positive=True)
+    for vi in list(graph.output) + list(graph.value_info):
+        _check_value_info(vi, f"value {vi.name!r}", label, positive=False)
+    for i, node in enumerate(graph.node):
+        what = _node_words(node.name, node.op_type) if node.name else f"node #{i} ({node.op_type})"
+        if not node.op_type:
+            raise GraphError(f"{label}: node #{i}{where} {node.name!r} has no op_type")
+        for name in node.input:
+            if name and name not in defined and name not in outer:
+                raise GraphError(f"{label}: {what} reads {name!r}, which no input, initializer "
+                                 f"or earlier node defines")
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subgraphs:
+                check_structure(sub, label, outer | frozenset(defined))
+        for name in node.output:
+            if name:
+                define(name, what)
+    for vi in graph.output:
+        if vi.name not in defined and vi.name not in outer:
+            raise GraphError(f"{label}: graph output {vi.name!r}{where} is never defined")
+    if not outer and not graph.output:
+        raise GraphError(f"{label}: the graph has no outputs (a training graph outputs its loss "
+                         f"first, then the gradients)")
+
+
+def _check_value_info(vi: onnx.ValueInfoProto, what: str, label: str, positive: bool) -> None:
+    if not vi.type.HasField("tensor_type"):
+        return
+    tensor = vi.type.tensor_type
+    dims = [d.dim_value for d in tensor.shape.dim if d.HasField("dim_value")]
+    _check_tensor_type(tensor.elem_type, dims, what, label, positive)
+
+
+def _check_tensor_type(elem_type: int, dims, what: str, label: str, positive: bool) -> None:
+    if positive and elem_type == onnx.TensorProto.UNDEFINED:
+        raise GraphError(f"{label}: {what} has no element type")
+    if elem_type not in _ELEM_TYPES:
+        raise GraphError(f"{label}: {what} has element type {elem_type}, which is not an ONNX "
+                         f"tensor type")
+    for k, d in enumerate(dims):
+        if d < 0 or (positive and d == 0):
+            raise GraphError(f"{label}: {what} has dim {k} = {d}; dims are "
+                             f"{'positive' if positive else 'not negative'}")
+
+
+def _check_inferred_dims(graph: Graph, label: str) -> None:
+    for node in graph.nodes:
+        for out in node.outputs:
+            for k, d in enumerate(out.shape or ()):
+                if is_static(d) and int(d) < 0:
+                    raise GraphError(f"{label}: node {node.name!r} ({node.op}) output {out.name!r} has "
+                                     f"dim {k} = {d} after shape inference; dims are not negative")
+
+
+def _check_dims_at_examples(graph: Graph, label: str) -> None:
+    """A dim written as a formula (`seq - 2`) must be positive at the example sizes."""
+    for v in graph.values():
+        for k, d in enumerate(v.shape or ()):
+            if is_static(d) or d.is_positive:
+                continue
+            n = evaluate(d, graph.dim_examples)
+            if n is not None and n <= 0:
+                sizes = ", ".join(f"{name}={graph.dim_examples[name]}" for name in sorted(free_dims(d)))
+                raise GraphError(f"{label}: value {v.name!r} has dim {k} = {format_dim(d)}, which is "
+                                 f"{n} at the example sizes {sizes}; dims are positive")
+
+
+def read_metadata(model: onnx.ModelProto, label: str) -> tuple[dict[str, int], list[str] | None]:
+    """remat's metadata_props: example dim sizes (a JSON object of dim name to a positive
+    integer) and the forward outputs (a JSON list of output names); malformed is a GraphError."""
+    meta: dict[str, str] = {}
+    for prop in model.metadata_props:
+        if prop.key in (DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY) and prop.key in meta \
+                and meta[prop.key] != prop.value:
+            raise GraphError(f"{label}: metadata {prop.key!r} is set twice, to different values")
+        meta[prop.key] = prop.value
+    examples: dict[str, int] = {}
+    if DIM_EXAMPLES_KEY in meta:
+        data = _metadata_json(meta, DIM_EXAMPLES_KEY, label)
+        shape = 'a JSON object of dim name to example size, like {"batch": 8}'
+        if not isinstance(data, dict):
+            raise GraphError(f"{label}: metadata {DIM_EXAMPLES_KEY!r} is not {shape}")
+        for name, value in data.items():
+            if not name.strip():
+                raise GraphError(f"{label}: metadata {DIM_EXAMPLES_KEY!r} names a dim with an empty name")
+            try:
+                examples[name] = check_example(name, value)
+            except GraphError as err:
+                raise GraphError(f"{label}: metadata {DIM_EXAMPLES_KEY!r}: {err}") from None
+    forward = None
+    if FORWARD_OUTPUTS_KEY in meta:
+        forward = _metadata_json(meta, FORWARD_OUTPUTS_KEY, label)
+        if not isinstance(forward, list) or not forward or not all(isinstance(n, str) and n for n in forward):
+            raise GraphError(f"{label}: metadata {FORWARD_OUTPUTS_KEY!r} is not a JSON list of "
+                             f"output names, like [\"loss\"]")
+    return examples, forward
+
+
+def _metadata_json(meta: dict[str, str], key: str, label: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except (json.JSONDecodeError, RecursionError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise GraphError(f"{label}: metadata {key!r} is not valid JSON ({reason}): "
+                         f"{meta[key][:60]!r}") from None
+
+
+def _check_dim_examples(graph: Graph, examples: dict[str, int], label: str) -> dict[str, int]:
+    """Example sizes given by the caller (`--dim`): dims the model has, positive integers."""
+    if not examples:
+        return {}
+    known = symbolic_dims(graph)
+    named = sorted(symbolic_dims(graph, inputs_only=True))
+    for name, value in examples.items():
+        check_example(name, value)
+        if name not in known:
+            listing = ", ".join(named[:12]) + (" ..." if len(named) > 12 else "")
+            has = f"its inputs' dims are {listing}" if named else "its inputs' shapes are all static"
+            raise GraphError(f"{label}: the model has no dim {name!r} (given the example size "
+                             f"{name}={value}); {has}")
+    return dict(examples)
 
 
 def _value_from_type(name: str, type_proto: onnx.TypeProto | None) -> Value:

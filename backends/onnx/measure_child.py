@@ -46,8 +46,16 @@ def main(model_path: str, feeds_path: str, repeats: int, threads: int, mode: str
 if __name__ == "__main__":
     from engine.errors import RematError
 
+    # Any failure is one line on stderr (the parent reports the last line), exit status 1.
     try:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-    except RematError as err:
-        print(err, file=sys.stderr)
+        model, feeds, n, threads, mode = sys.argv[1:6]
+        if mode not in ("peak", "time") or int(n) < 1 or int(threads) < 1:
+            raise ValueError(f"bad arguments {sys.argv[1:]}")
+        main(model, feeds, int(n), int(threads), mode)
+    except MemoryError:
+        print("out of memory", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:  # the parent turns this line into a RematError
+        text = " ".join(str(err).split())
+        print(text if isinstance(err, RematError) else f"{type(err).__name__}: {text}", file=sys.stderr)
         sys.exit(1)

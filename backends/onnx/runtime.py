@@ -51,7 +51,15 @@ def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: b
         return ort.InferenceSession(source, options,
                                     providers=["CPUExecutionProvider"] if cpu_only else providers())
     except Exception as exc:
-        raise RematError(f"ONNX Runtime could not load the model: {exc}") from None
+        raise RematError(f"{_name(model)}: ONNX Runtime could not load it: {_one_line(exc)}") from None
+
+
+def _name(model: onnx.ModelProto | str | Path) -> str:
+    return f"model {model.graph.name!r}" if isinstance(model, onnx.ModelProto) else str(model)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def run(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
@@ -63,23 +71,46 @@ def run(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
     wanted = {i.name for i in session.get_inputs()}
     missing = wanted - set(feeds)
     if missing:
-        raise RematError(f"no data for model input(s): {', '.join(sorted(missing))}")
+        raise RematError(f"{_name(model)}: no data for input(s) {', '.join(sorted(missing))}")
     try:
         results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
     except Exception as exc:
-        raise RematError(f"ONNX Runtime failed to run the model: {exc}") from None
+        raise RematError(f"{_name(model)}: ONNX Runtime failed to run it: {_one_line(exc)}") from None
     return dict(zip(names, results))
 
 
-def max_relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, str]:
-    """Largest |a-b| / max|b| over the outputs both have, and which output it was."""
-    worst, where = 0.0, ""
-    for name in a.keys() & b.keys():
+def max_relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray], a_name: str = "the first model",
+                       b_name: str = "the second model") -> tuple[float, str]:
+    """Largest |a-b| / max|b| over the outputs both have, and which output it was. Outputs in
+    common of different shapes, or none in common, are a RematError naming both output lists.
+    A NaN or infinity in one output where the other has a finite value is an infinite error."""
+    common = [name for name in a if name in b]
+    if not common:
+        raise RematError(f"{a_name} and {b_name} have no output in common to compare "
+                         f"({a_name}: {', '.join(a) or 'none'}; {b_name}: {', '.join(b) or 'none'})")
+    worst, where = 0.0, common[0]
+    for name in common:
         x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
-        err = float(np.abs(x - y).max() / max(float(np.abs(y).max()), 1e-12)) if y.size else 0.0
+        if x.shape != y.shape:
+            raise RematError(f"output {name!r} has shape {x.shape} in {a_name} but {y.shape} in "
+                             f"{b_name}; they cannot be compared")
+        err = _relative_error(x, y)
         if err >= worst:
             worst, where = err, name
     return worst, where
+
+
+def _relative_error(x: np.ndarray, y: np.ndarray) -> float:
+    if not y.size:
+        return 0.0
+    finite = np.isfinite(x) & np.isfinite(y)
+    same_nonfinite = (np.isnan(x) & np.isnan(y)) | ((x == y) & ~finite)
+    if not np.all(finite | same_nonfinite):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.abs(y[finite]).max()), 1e-12)
+    return float(np.abs(x[finite] - y[finite]).max() / scale)
 
 
 @dataclass
@@ -97,6 +128,10 @@ class Measurement:
 def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
             repeats: int = 3, threads: int = 1) -> Measurement:
     """Peak memory above rest and step time of one run, in a fresh process."""
+    if repeats < 1:
+        raise RematError(f"repeats must be at least 1, not {repeats}")
+    if threads < 1:
+        raise RematError(f"threads must be at least 1, not {threads}")
     with tempfile.TemporaryDirectory(prefix="remat-measure-") as tmp:
         model_path = Path(tmp) / "model.onnx"
         if isinstance(model, onnx.ModelProto):
@@ -115,6 +150,17 @@ def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
                 env=env, capture_output=True, text=True,
                 cwd=str(Path(__file__).resolve().parents[2]))
             if proc.returncode != 0:
-                raise RematError(f"measurement process failed:\n{proc.stderr.strip()[-2000:]}")
+                raise RematError(f"{_name(model)}: the {mode} measurement failed: {_child_failure(proc)}")
             data.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     return Measurement(**data)
+
+
+def _child_failure(proc: subprocess.CompletedProcess) -> str:
+    """Why a measuring process failed, in one line."""
+    if proc.returncode < 0:
+        reason = f"the process was killed by signal {-proc.returncode}"
+        if -proc.returncode == 9:
+            reason += " (out of memory?)"
+        return reason
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1][-500:] if lines else f"exit status {proc.returncode}"

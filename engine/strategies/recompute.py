@@ -179,7 +179,6 @@ class Rewriter:
         self.graph = graph
         self.state = state
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
-        self.taken = {v.name for v in graph.values()} | {n.name for n in graph.nodes}
         self.applied = 0
         self.clones: list[Node] = []
         self.place: dict[int, int] = {}      # clone node id -> original position it precedes
@@ -203,13 +202,13 @@ class Rewriter:
         for node in region.nodes:
             outputs = []
             for out in node.outputs:
-                clone_out = Value(self.graph.fresh_name(f"{out.name}_rc", self.taken), out.dtype,
+                clone_out = Value(self.graph.fresh_name(f"{out.name}_rc"), out.dtype,
                                   out.shape, meta=dict(out.meta))
                 mapping[id(out)] = clone_out
                 outputs.append(clone_out)
             inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
             clone = Node(node.op, inputs, outputs, dict(node.attrs),
-                         self.graph.fresh_name(f"{node.name}_rc", self.taken),
+                         self.graph.fresh_name(f"{node.name}_rc"),
                          meta={**node.meta, RECOMPUTE_OF: node.name, RECOMPUTE_REGION: self.applied})
             for out in outputs:
                 out.producer = clone
