@@ -27,6 +27,27 @@ class FamilyDecl:
 
 
 @dataclass
+class AttrSig:
+    """`alpha: float` in a custom op's signature."""
+
+    name: str
+    kind: str
+    loc: SourceLocation
+    kind_loc: SourceLocation
+
+
+@dataclass
+class OpSignature:
+    """`outputs 1..2 attrs alpha: float, mode: string` after `op domain::Name`. A clause
+    left out leaves that part unchecked; `attrs` with no names declares no attributes."""
+
+    loc: SourceLocation
+    outputs: tuple[int, int | None] | None = None       # min, max (None: no upper bound)
+    outputs_loc: SourceLocation | None = None
+    attrs: list[AttrSig] | None = None
+
+
+@dataclass
 class OpDecl:
     """`op`, `recomputable`, `view`, `nondeterministic`, `chunkable KIND`,
     `linear_in_gradient` or `additive_in_gradient` followed by ops."""
@@ -36,6 +57,7 @@ class OpDecl:
     loc: SourceLocation
     tier: str | None = None
     detail: tuple[str, SourceLocation] | None = None    # the KIND of `chunkable KIND`
+    signature: OpSignature | None = None                # `op ... outputs N attrs ...`
 
 
 @dataclass
@@ -100,6 +122,7 @@ class Expr:
     args: list["Expr"] = field(default_factory=list)
     unit: tuple[str, SourceLocation] | None = None
     text: str = ""
+    span: tuple[int, int] = (0, 0)       # offsets of `text` in the file
 
 
 @dataclass
@@ -128,6 +151,7 @@ class ChunkAction:
     dim: int
     count: Expr
     loc: SourceLocation
+    dim_loc: SourceLocation | None = None
 
 
 @dataclass

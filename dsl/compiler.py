@@ -2,7 +2,10 @@
 
 Every problem becomes a Diagnostic with its file:line:col; all of a file's
 problems are reported together. Names that are close to a known one get a
-"did you mean".
+"did you mean". Beyond names, a rule is refused when it could never do what it
+says: an attribute or output no op's signature has (dsl.schemas), a guard of the
+wrong type or a constant that divides by zero (dsl.typecheck), a chunk dim or count
+that cannot work, a pattern or expression past the nesting limits (dsl.limits).
 """
 from __future__ import annotations
 
@@ -11,13 +14,17 @@ from typing import Any
 
 from engine import patterns as P
 from engine.dtypes import DType, dtype_names
-from engine.errors import SourceLocation
+from engine.errors import RuleError, SourceLocation
 from engine.guards import BUILTINS, CONSTANTS, SIZE_UNITS
 from engine.onnx_ops import ONNX_OPS
 from engine.strategies.chunk import CHUNK_KINDS
 
 from . import ast
 from .errors import Diagnostic, did_you_mean
+from .limits import (MAX_CHUNK_DIM, MAX_EXPR_DEPTH, MAX_LITERAL, MAX_PATTERN_DEPTH, MAX_PATTERN_NODES,
+                     expr_too_deep, pattern_shape)
+from .schemas import Signature, check_signatures, declare_signature, onnx_signature, op_name
+from .typecheck import ANY, BOOL, NUMBER, VALUE, VARIADIC, TypeChecker
 
 KNOWN_DOMAINS = {"com.microsoft", "aten", "prims", "ai.onnx.ml", "ai.onnx.preview.training",
                  "org.pytorch.aten", "pkg.onnxscript.torch_lib"}
@@ -25,11 +32,12 @@ KNOWN_DOMAINS = {"com.microsoft", "aten", "prims", "ai.onnx.ml", "ai.onnx.previe
 
 @dataclass
 class Scope:
-    """What the loaded files declared: families, custom ops, op facts."""
+    """What the loaded files declared: families, custom ops and their signatures, op facts."""
 
     families: dict[str, ast.FamilyDecl] = field(default_factory=dict)
     custom_ops: set[str] = field(default_factory=set)
     custom_domains: set[str] = field(default_factory=set)
+    signatures: dict[str, tuple[Signature, SourceLocation]] = field(default_factory=dict)
     recomputable: dict[str, str] = field(default_factory=dict)
     views: set[str] = field(default_factory=set)
     nondeterministic: set[str] = field(default_factory=set)
@@ -44,12 +52,14 @@ class Compiler:
         self.scope = Scope()
         self.diagnostics: list[Diagnostic] = []
         self.rules: list[P.Rule] = []
+        self._family_ops: dict[str, frozenset[str]] = {}
 
     def error(self, message: str, loc: SourceLocation, hint: str = "") -> None:
         self.diagnostics.append(Diagnostic(message, loc, hint))
 
     # declarations -----------------------------------------------------------------
     def declare(self, file: ast.RuleFile) -> None:
+        self._family_ops.clear()
         for decl in file.op_decls:
             if decl.kind == "op":
                 for ref in decl.ops:
@@ -57,6 +67,8 @@ class Compiler:
                     if sep:
                         self.scope.custom_domains.add(domain)
                     self.scope.custom_ops.add(ref.name)
+                if decl.signature is not None:
+                    declare_signature(decl, self.scope.signatures, self.error)
         for fam in file.families:
             if fam.name in self.scope.families:
                 prev = self.scope.families[fam.name].loc
@@ -88,28 +100,45 @@ class Compiler:
                 else:
                     self.scope.nondeterministic.add(op)
 
-    def resolve_ops(self, refs: list[ast.OpRef], _seen: frozenset[str] = frozenset()) -> frozenset[str]:
+    def signature(self, op: str) -> Signature | None:
+        declared = self.scope.signatures.get(op)
+        return declared[0] if declared else onnx_signature(op)
+
+    def resolve_ops(self, refs: list[ast.OpRef]) -> frozenset[str]:
+        """The op names `refs` stand for, families expanded (with an explicit stack, each family
+        once; a family that reaches itself is an error)."""
         out: set[str] = set()
-        for ref in refs:
+        stack: list[tuple[Any, str | None, set[str]]] = [(iter(refs), None, out)]
+        expanding: list[str] = []
+        while stack:
+            refs_left, family, acc = stack[-1]
+            ref = next(refs_left, None)
+            if ref is None:
+                stack.pop()
+                if family is not None:
+                    expanding.pop()
+                    self._family_ops[family] = frozenset(acc)
+                    stack[-1][2].update(acc)
+                continue
             name = ref.name
             if "::" in name:
-                domain, _, op = name.rpartition("::")
-                if domain in ("", "ai.onnx"):
-                    name = op
-                elif domain not in KNOWN_DOMAINS | self.scope.custom_domains:
+                domain = name.rpartition("::")[0]
+                if domain not in ("", "ai.onnx") and domain not in KNOWN_DOMAINS | self.scope.custom_domains:
                     hint = did_you_mean(domain, KNOWN_DOMAINS | self.scope.custom_domains)
                     self.error(f"unknown op domain {domain!r} in {ref.name!r}", ref.loc,
                                hint or "declare it with `op domain::Name` if it is a custom op")
                     continue
-                out.add(name)
-                continue
-            if name in self.scope.families:
-                if name in _seen:
+                acc.add(op_name(name))
+            elif name in self.scope.families:
+                if name in expanding:
                     self.error(f"family {name!r} refers to itself", ref.loc)
-                    continue
-                out |= self.resolve_ops(self.scope.families[name].ops, _seen | {name})
+                elif name in self._family_ops:
+                    acc.update(self._family_ops[name])
+                else:
+                    expanding.append(name)
+                    stack.append((iter(self.scope.families[name].ops), name, set()))
             elif name in ONNX_OPS or name in self.scope.custom_ops:
-                out.add(name)
+                acc.add(name)
             else:
                 known = ONNX_OPS | set(self.scope.families) | self.scope.custom_ops
                 self.error(f"unknown op {name!r}", ref.loc,
@@ -126,7 +155,15 @@ class Compiler:
                 continue
             self.scope.rule_names[decl.name] = decl.loc
             before = len(self.diagnostics)
-            rule = _RuleCompiler(self, decl).compile()
+            try:
+                rule = _RuleCompiler(self, decl).compile()
+            except RecursionError:      # the last resort: the limits should make this unreachable
+                self.error(f"rule {decl.name!r} is nested too deeply to compile", decl.loc,
+                           "split deep patterns and long expressions into several statements or rules")
+                continue
+            except RuleError as err:    # engine.patterns refused what the checks here let through
+                self.error(err.message, err.location or decl.loc)
+                continue
             if rule is not None and len(self.diagnostics) == before:
                 rule.order = len(self.rules)
                 self.rules.append(rule)
@@ -138,6 +175,8 @@ class _RuleCompiler:
         self.decl = decl
         self.defined: dict[str, tuple[int, int, SourceLocation]] = {}   # capture -> (binding, output, loc)
         self.inputs: set[str] = set()                                    # captures bound to inputs
+        self.variadic: dict[str, SourceLocation] = {}                    # captures bound by `xs...`
+        self.single: dict[str, SourceLocation] = {}                      # captures of one value
         self.built: dict[int, P.NodePattern] = {}
         self.building: set[int] = set()
 
@@ -159,9 +198,10 @@ class _RuleCompiler:
                     self.error(f"capture {target.name!r} is bound twice (first at {first})", target.loc)
                 else:
                     self.defined[target.name] = (i, k, target.loc)
+                    self.single.setdefault(target.name, target.loc)
         # A statement is referenced when another one uses its captures (using its own is an error).
         referenced = {self.defined[name][0] for i, b in enumerate(decl.bindings)
-                      for name in self._arg_names(b.pattern)
+                      for name in _arg_names(b.pattern)
                       if name in self.defined and self.defined[name][0] != i}
         roots = [i for i in range(len(decl.bindings)) if i not in referenced]
         if not roots:
@@ -175,12 +215,21 @@ class _RuleCompiler:
                        "a rule matches one connected pattern: use the captured value as an input "
                        "of another statement, or move it to its own rule")
             return None
+        if not self._pattern_within_limits(roots[0]):
+            return None
         root = self._build(roots[0])
+        self._check_capture_kinds()
         captures = set(self.defined) | self.inputs
+        kinds = {name: VARIADIC if name in self.variadic else VALUE for name in captures}
+        ranks = self._fixed_ranks()
+        checker = TypeChecker(kinds, ranks, self.error)
         types = [t for t in (self._type(a, captures) for a in decl.types) if t is not None]
-        guards = [P.Guard(e, r.loc, r.text) for r in decl.requires
-                  if (e := self._expr(r.expr, captures)) is not None]
-        actions = self._actions(captures)
+        guards = []
+        for r in decl.requires:
+            expr = self._checked_expr(r.expr, captures)
+            if expr is not None and self._guard_type(expr, checker):
+                guards.append(P.Guard(expr, r.loc, r.text))
+        actions = self._actions(captures, checker, ranks)
         if not decl.actions:
             self.error(f"rule {decl.name!r} has no rewrite action", decl.loc,
                        "add `recompute y` or `recompute y from x` to its rewrite block")
@@ -189,33 +238,44 @@ class _RuleCompiler:
         return P.Rule(decl.name, root, types, guards, actions, decl.loc, decl.priority,
                       decl.tier or P.DEFAULT_TIER)
 
-    def _arg_names(self, pat: ast.NodePat) -> set[str]:
-        out = set()
-        for arg in pat.args:
-            if arg.kind == "capture":
-                out.add(arg.name)
-            elif arg.kind == "nested":
-                out |= self._arg_names(arg.value)
-        return out
+    # patterns ---------------------------------------------------------------------
+    def _pattern_within_limits(self, root: int) -> bool:
+        """Patterns nest through nested ops and through captured outputs of other statements;
+        the matcher walks them recursively, so their depth and expanded size are bounded."""
+        producers = {name: index for name, (index, _, _) in self.defined.items()}
+        _, size, where = pattern_shape(self.decl, producers)
+        if where is not None:
+            self.error(f"pattern nested too deeply (limit {MAX_PATTERN_DEPTH}), counting the statements "
+                       f"whose captured outputs it reads", where.loc,
+                       "split the rule, or match fewer ops in one pattern")
+            return False
+        if size > MAX_PATTERN_NODES:
+            self.error(f"the pattern has more than {MAX_PATTERN_NODES} ops once each use of a statement's "
+                       f"captures counts its ops again", self.decl.bindings[root].loc,
+                       "use each captured output in fewer places")
+            return False
+        return True
 
     def _build(self, index: int) -> P.NodePattern | None:
         if index in self.built:
             return self.built[index]
         binding = self.decl.bindings[index]
         self.building.add(index)
-        pattern = self._node(binding.pattern, [t.name for t in binding.targets])
+        pattern = self._node(binding.pattern, binding.targets)
         self.building.discard(index)
         if pattern is not None:
             pattern.text = binding.text
             self.built[index] = pattern
         return pattern
 
-    def _node(self, pat: ast.NodePat, outputs: list[str | None]) -> P.NodePattern | None:
+    def _node(self, pat: ast.NodePat, targets: list[ast.Target] | None) -> P.NodePattern | None:
+        """One op of a pattern; `targets` are the statement's outputs (None: a nested pattern)."""
         ops = self.owner.resolve_ops(pat.ops)
         if not ops:
             return None
         args: list[P.Arg] = []
         attrs: dict[str, Any] = {}
+        constrained: list[tuple[ast.Arg, Any]] = []
         variadic = None
         for arg in pat.args:
             if variadic is not None and arg.kind != "attr":
@@ -224,6 +284,7 @@ class _RuleCompiler:
                 if arg.name in attrs:
                     self.error(f"attribute {arg.name!r} is constrained twice", arg.loc)
                 value = self._attr(arg.value)
+                constrained.append((arg, None if value is _INVALID else value))
                 if value is not _INVALID:
                     attrs[arg.name] = value
             elif arg.kind == "wildcard":
@@ -232,13 +293,15 @@ class _RuleCompiler:
                 if pat.commutative:
                     self.error("a commutative pattern `Op{...}` cannot take a variadic capture", arg.loc)
                 variadic = arg.name
-                self._input_capture(arg.name, arg.loc)
+                self.inputs.add(arg.name)
+                self.variadic.setdefault(arg.name, arg.loc)
             elif arg.kind == "nested":
-                nested = self._node(arg.value, [None])
+                nested = self._node(arg.value, None)
                 if nested is not None:
                     nested.text = arg.value.text
                     args.append(nested)
             elif arg.name in self.defined:
+                self.single.setdefault(arg.name, arg.loc)
                 index, output, _ = self.defined[arg.name]
                 if index in self.building:
                     self.error(f"capture {arg.name!r} is used by the statement that defines it", arg.loc)
@@ -247,15 +310,24 @@ class _RuleCompiler:
                 if producer is not None:
                     args.append(producer if output == 0 else P.OutputRef(producer, output, arg.loc))
             else:
-                self._input_capture(arg.name, arg.loc)
+                self.inputs.add(arg.name)
+                self.single.setdefault(arg.name, arg.loc)
                 args.append(P.CaptureRef(arg.name, arg.loc))
         if pat.commutative and variadic is None and len(args) != 2:
             self.error(f"a commutative pattern `Op{{a, b}}` takes exactly two inputs, got {len(args)}",
                        pat.loc)
+        if constrained or (targets is not None and len(targets) > 1):
+            sigs = {op: self.owner.signature(op) for op in sorted(ops)}
+            check_signatures(sigs, constrained, targets or [], self.error)
+        outputs = [t.name for t in targets] if targets is not None else [None]
         return P.NodePattern(ops, args, attrs, outputs, pat.loc, pat.commutative, variadic, pat.text)
 
-    def _input_capture(self, name: str, loc: SourceLocation) -> None:
-        self.inputs.add(name)
+    def _check_capture_kinds(self) -> None:
+        """A capture is one value or a variadic list of them, never both (it could never match)."""
+        for name, loc in self.variadic.items():
+            if name in self.single:
+                self.error(f"capture {name!r} is a variadic capture `{name}...` here but one value at "
+                           f"{self.single[name]}", loc, "give the variadic capture a name of its own")
 
     def _attr(self, value: ast.AttrValue) -> Any:
         if value.kind in ("number", "string"):
@@ -279,6 +351,10 @@ class _RuleCompiler:
             self.error(f"type annotation for unknown capture {annot.name!r}", annot.loc,
                        did_you_mean(annot.name, captures))
             return None
+        if annot.name in self.variadic:
+            self.error(f"{annot.name!r} is a variadic capture: it has no single type", annot.loc,
+                       "annotate a capture of one value")
+            return None
         dtypes = set()
         for name, loc in annot.dtypes:
             try:
@@ -294,6 +370,38 @@ class _RuleCompiler:
             dims = [P.DimPattern(d.kind, d.value) for d in annot.dims]
         return P.TypePattern(annot.name, frozenset(dtypes) or None, dims, annot.loc, annot.text)
 
+    def _fixed_ranks(self) -> dict[str, int]:
+        """The rank a type annotation without `...` gives a capture (the smallest, if several)."""
+        ranks: dict[str, int] = {}
+        for annot in self.decl.types:
+            if annot.dims is not None and not any(d.kind == "rest" for d in annot.dims):
+                ranks[annot.name] = min(len(annot.dims), ranks.get(annot.name, len(annot.dims)))
+        return ranks
+
+    # expressions ------------------------------------------------------------------
+    def _checked_expr(self, expr: ast.Expr, captures: set[str]) -> P.Expr | None:
+        deep = expr_too_deep(expr)
+        if deep is not None:
+            self.error(f"expression nested too deeply (limit {MAX_EXPR_DEPTH})", deep.loc,
+                       "split it into several `require` lines or simpler expressions")
+            return None
+        return self._expr(expr, captures)
+
+    def _guard_type(self, expr: P.Expr, checker: TypeChecker) -> bool:
+        """Whether a guard is a condition that can hold; errors for the rest. (ANY without an
+        error: a built-in the type table does not know, kept unchecked.)"""
+        before = len(self.owner.diagnostics)
+        typed = checker.check(expr)
+        if len(self.owner.diagnostics) > before:
+            return False
+        if typed.type not in (BOOL, ANY):
+            checker.expect(BOOL, typed, expr, "`require` needs a condition")
+            return False
+        if typed.is_const and not typed.const:
+            self.error(f"`{expr.text}` is always false, so the rule never fires", expr.location)
+            return False
+        return True
+
     def _expr(self, expr: ast.Expr, captures: set[str]) -> P.Expr | None:
         kind = expr.kind
         if kind == "number":
@@ -306,6 +414,10 @@ class _RuleCompiler:
                     return None
                 value = value * SIZE_UNITS[unit]
                 value = int(value) if float(value).is_integer() else value
+                if abs(value) >= MAX_LITERAL:
+                    self.error(f"`{expr.text}` is out of range", expr.loc,
+                               "numbers lie strictly between -2**63 and 2**63")
+                    return None
             return P.Expr("num", expr.loc, value, text=expr.text)
         if kind == "string":
             return P.Expr("str", expr.loc, expr.value, text=expr.text)
@@ -352,7 +464,8 @@ class _RuleCompiler:
             return None
         return P.Expr(kind, expr.loc, expr.value, args, expr.text)
 
-    def _actions(self, captures: set[str]) -> list[P.Action]:
+    # actions ----------------------------------------------------------------------
+    def _actions(self, captures: set[str], checker: TypeChecker, ranks: dict[str, int]) -> list[P.Action]:
         actions: list[P.Action] = []
         for action in self.decl.actions:
             if isinstance(action, ast.RecomputeAction):
@@ -366,12 +479,17 @@ class _RuleCompiler:
                            f"the rule's captures are: {', '.join(sorted(captures)) or 'none'}")
             if bad:
                 continue
+            for name, loc in names:
+                if name in self.variadic:
+                    self.error(f"{name!r} is a variadic capture; a rewrite action takes one value", loc)
+            if any(name in self.variadic for name, _ in names):
+                continue
             if isinstance(action, ast.RecomputeAction):
                 actions.append(P.Recompute(action.target[0], [n for n, _ in action.sources], action.loc))
             elif isinstance(action, ast.ChunkAction):
-                count = self._expr(action.count, captures)
-                if count is not None:
-                    actions.append(P.Chunk([n for n, _ in action.names], action.dim, count, action.loc))
+                chunk = self._chunk(action, captures, checker, ranks)
+                if chunk is not None:
+                    actions.append(chunk)
             else:
                 actions.append(P.Save([n for n, _ in action.names], action.loc))
         chunk = next((a for a in actions if isinstance(a, P.Chunk)), None)
@@ -380,6 +498,57 @@ class _RuleCompiler:
                        "put the recompute in a rule of its own")
             return []
         return actions
+
+    def _chunk(self, action: ast.ChunkAction, captures: set[str], checker: TypeChecker,
+               ranks: dict[str, int]) -> P.Chunk | None:
+        """`chunk over h along D into N`: what the rule alone can tell about D and N."""
+        ok = True
+        dim_loc = action.dim_loc or action.loc
+        if not -MAX_CHUNK_DIM < action.dim < MAX_CHUNK_DIM:
+            self.error(f"chunk dim {action.dim} is out of range", dim_loc,
+                       f"a dim lies between -{MAX_CHUNK_DIM - 1} and {MAX_CHUNK_DIM - 1} "
+                       "(a negative dim counts from the end)")
+            ok = False
+        else:
+            for name, _ in action.names:
+                rank = ranks.get(name)
+                if rank is not None and not -rank <= action.dim < rank:
+                    self.error(f"chunk dim {action.dim} is out of range: the rule's type annotation "
+                               f"gives {name} rank {rank}", dim_loc,
+                               f"dims of a rank-{rank} value are {-rank} to {rank - 1}" if rank else
+                               "a rank-0 value has no dim to chunk")
+                    ok = False
+        count = self._checked_expr(action.count, captures)
+        if count is None:
+            return None
+        before = len(self.owner.diagnostics)
+        typed = checker.check(count)
+        if len(self.owner.diagnostics) > before:
+            return None
+        if typed.type not in (NUMBER, ANY):
+            checker.expect(NUMBER, typed, count, "`into` needs a number of chunks")
+            return None
+        if typed.is_const and typed.const < 2:
+            shown = f"`{count.text}` is {typed.const}" if count.text.strip() != str(typed.const) else str(typed.const)
+            self.error(f"the chunk count {shown}: a chunk rule runs at least 2 slices", count.location,
+                       "write a count of 2 or more, or a formula such as ceil(bytes(x) / 8 MiB)")
+            return None
+        if not ok:
+            return None
+        return P.Chunk([n for n, _ in action.names], action.dim, count, action.loc)
+
+
+def _arg_names(pat: ast.NodePat) -> set[str]:
+    """The captures a pattern reads, nested patterns included (an explicit stack)."""
+    out, stack = set(), [pat]
+    while stack:
+        p = stack.pop()
+        for arg in p.args:
+            if arg.kind == "capture":
+                out.add(arg.name)
+            elif arg.kind == "nested":
+                stack.append(arg.value)
+    return out
 
 
 _INVALID = object()

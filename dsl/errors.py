@@ -13,16 +13,37 @@ class Diagnostic:
     hint: str = ""
 
     def render(self, sources: dict[str, str] | None = None) -> str:
-        text = f"{self.loc}: error: {self.message}"
         source = (sources or {}).get(self.loc.file)
-        if source is not None:
-            lines = source.splitlines()
-            if 1 <= self.loc.line <= len(lines):
-                line = lines[self.loc.line - 1].expandtabs(1)
-                text += f"\n    {line}\n    {' ' * (self.loc.column - 1)}^"
+        return self.render_lines(source.split("\n") if source is not None else None)
+
+    def render_lines(self, lines: list[str] | None) -> str:
+        """`lines`: the file split at "\n", as the parser counts lines (not str.splitlines)."""
+        text = f"{self.loc}: error: {self.message}"
+        if lines is not None and 1 <= self.loc.line <= len(lines):
+            line, column = _window(lines[self.loc.line - 1].rstrip("\r"), self.loc.column)
+            text += f"\n    {line}\n    {' ' * (column - 1)}^"
         if self.hint:
             text += f"\n    note: {self.hint}"
         return text
+
+
+_WIDTH = 100
+
+
+def _window(line: str, column: int) -> tuple[str, int]:
+    """The line as shown under a message (tabs as one space, so the caret lines up), cut to
+    about _WIDTH characters around `column` when it is longer; and the caret's column in it."""
+    if len(line) <= _WIDTH:
+        return _printable(line), column
+    start = max(0, min(column - 1 - _WIDTH // 2, len(line) - _WIDTH))
+    shown = _printable(line[start:start + _WIDTH])
+    prefix = "..." if start else ""
+    suffix = "..." if start + _WIDTH < len(line) else ""
+    return prefix + shown + suffix, column - start + len(prefix)
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else " " for c in text)
 
 
 class RuleCompileError(RuleError):
@@ -33,7 +54,11 @@ class RuleCompileError(RuleError):
         self.sources = sources or {}
         first = diagnostics[0]
         super().__init__(first.message, first.loc)
-        self.args = ("\n".join(d.render(self.sources) for d in diagnostics),)
+        lines: dict[str, list[str]] = {}
+        for d in diagnostics:      # each file split once, however many diagnostics it has
+            if d.loc.file in self.sources and d.loc.file not in lines:
+                lines[d.loc.file] = self.sources[d.loc.file].split("\n")
+        self.args = ("\n".join(d.render_lines(lines.get(d.loc.file)) for d in diagnostics),)
 
     def __str__(self) -> str:
         return self.args[0]

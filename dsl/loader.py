@@ -11,7 +11,7 @@ from engine.patterns import RuleSet
 from . import ast
 from .compiler import Compiler
 from .errors import Diagnostic, RuleCompileError
-from .parser import parse
+from .parser import parse, too_deep_anywhere
 
 SHIPPED_RULES = Path(__file__).resolve().parent.parent / "rules"
 
@@ -122,10 +122,14 @@ def _compile(loader: _Loader) -> RuleSet:
     if loader.diagnostics:
         raise RuleCompileError(loader.diagnostics, loader.sources)
     compiler = Compiler()
-    for file in loader.order:
-        compiler.declare(file)
-    for file in loader.order:
-        compiler.compile_rules(file)
+    try:
+        for file in loader.order:
+            compiler.declare(file)
+        for file in loader.order:
+            compiler.compile_rules(file)
+    except RecursionError:      # the last resort: the nesting limits should make this unreachable
+        where = loader.order[-1].path if loader.order else "<string>"
+        raise RuleCompileError([too_deep_anywhere(where)], loader.sources) from None
     if compiler.diagnostics:
         unique = {(d.loc, d.message): d for d in compiler.diagnostics}
         diags = sorted(unique.values(), key=lambda d: (d.loc.file, d.loc.line, d.loc.column))

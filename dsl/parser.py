@@ -1,16 +1,25 @@
-"""Text -> AST with Lark (LALR). Syntax errors become positioned Diagnostics."""
+"""Text -> AST with Lark (LALR). Syntax errors become positioned Diagnostics.
+
+Lark's LALR parser keeps its own stack, and the parse tree becomes the AST through a
+non-recursive transformer, so no nesting reaches Python's recursion limit here; the
+nesting limits (dsl.limits) are checked on the parse tree before the AST is built.
+"""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, Tree, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark import Lark, Token, Tree, v_args
+from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken,
+                             VisitError)
+from lark.visitors import Transformer_NonRecursive
 
 from engine.errors import SourceLocation
 
 from . import ast
 from .errors import Diagnostic, RuleCompileError
+from .limits import MAX_LITERAL, check_tree
 
 _GRAMMAR = Path(__file__).with_name("grammar.lark")
 
@@ -21,6 +30,7 @@ _READABLE = {
     "ADD_OP": "'+' or '-'", "MUL_OP": "'*' or '/'", "$END": "end of file",
     "LPAR": "'('", "RPAR": "')'", "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'",
     "COMMA": "','", "EQUAL": "'='", "COLON": "':'", "DOT": "'.'", "VBAR": "'|'", "MINUS": "'-'",
+    "RANGE": "'..'",
 }
 
 
@@ -47,14 +57,14 @@ def _describe_token(token: Token) -> str:
         return "end of line"
     if token.type == "$END":
         return "end of file"
-    return repr(str(token))
+    return repr(_short(str(token)))
 
 
 def _syntax_error(err: UnexpectedInput, path: str, text: str) -> Diagnostic:
     line = getattr(err, "line", None) or 1
     column = getattr(err, "column", None) or 1
     if line < 0 or column < 0:  # UnexpectedEOF without a position: point past the text
-        lines = text.splitlines() or [""]
+        lines = text.rstrip("\n").split("\n")
         line, column = len(lines), len(lines[-1]) + 1
     expected = sorted({_readable(t) for t in (getattr(err, "expected", None) or ())
                        if not t.startswith("__")})
@@ -79,19 +89,42 @@ def parse(text: str, path: str = "<string>") -> ast.RuleFile:
     source = text if text.endswith("\n") else text + "\n"
     try:
         tree = _parser().parse(source)
+        diagnostics = check_tree(tree, path)
+        if diagnostics:
+            raise RuleCompileError(diagnostics, {path: source})
+        builder = _Builder(path, source)
+        file = builder.build(tree)
     except UnexpectedInput as err:
         raise RuleCompileError([_syntax_error(err, path, source)], {path: source}) from None
+    except VisitError as err:
+        if not isinstance(err.orig_exc, RecursionError):
+            raise
+        raise RuleCompileError([too_deep_anywhere(path)], {path: source}) from None
     except RecursionError:
-        raise RuleCompileError([Diagnostic("expression nested too deeply",
-                                           SourceLocation(path, 1, 1))], {path: source}) from None
-    return _Builder(path, source).build(tree)
+        raise RuleCompileError([too_deep_anywhere(path)], {path: source}) from None
+    if builder.diagnostics:
+        raise RuleCompileError(builder.diagnostics, {path: source})
+    return file
 
 
-class _Builder(Transformer):
+def too_deep_anywhere(path: str) -> Diagnostic:
+    """The last resort when a limit check missed something: still a diagnostic, not a traceback."""
+    return Diagnostic("the file is nested too deeply to process", SourceLocation(path, 1, 1),
+                      "split deep patterns and long expressions into several statements or rules")
+
+
+class _Builder(Transformer_NonRecursive):
+    """Parse tree -> AST with an explicit stack (no recursion, whatever the nesting). Bad
+    literals and repeated rule options are collected in `diagnostics`."""
+
     def __init__(self, path: str, text: str):
         super().__init__(visit_tokens=False)
         self.path = path
         self.text = text
+        self.diagnostics: list[Diagnostic] = []
+
+    def error(self, message: str, loc: SourceLocation, hint: str = "") -> None:
+        self.diagnostics.append(Diagnostic(message, loc, hint))
 
     def build(self, tree: Tree) -> ast.RuleFile:
         out = ast.RuleFile(self.path)
@@ -107,9 +140,7 @@ class _Builder(Transformer):
         return out
 
     def _loc(self, item) -> SourceLocation:
-        if isinstance(item, Token):
-            return SourceLocation(self.path, item.line, item.column)
-        return SourceLocation(self.path, item.line, item.column)
+        return SourceLocation(self.path, getattr(item, "line", None) or 1, getattr(item, "column", None) or 1)
 
     def _text(self, meta) -> str:
         if getattr(meta, "empty", True):
@@ -147,6 +178,9 @@ class _Builder(Transformer):
         def build(self, meta, children):
             if kind == "chunkable":
                 return ast.OpDecl(kind, children[1], self._loc(meta), detail=self._named(children[0]))
+            if kind == "op":
+                signature = children[1] if len(children) > 1 else None
+                return ast.OpDecl(kind, children[0], self._loc(meta), signature=signature)
             tier = children[1] if len(children) > 1 else None
             return ast.OpDecl(kind, children[0], self._loc(meta), tier)
 
@@ -160,15 +194,53 @@ class _Builder(Transformer):
     linear_decl = _op_decl("linear_in_gradient")
     additive_decl = _op_decl("additive_in_gradient")
 
+    # `op domain::Name outputs 1..2 attrs alpha: float`
+    @v_args(meta=True)
+    def op_signature(self, meta, children):
+        sig = ast.OpSignature(self._loc(meta))
+        for kind, value, loc in children:
+            if kind == "outputs":
+                sig.outputs, sig.outputs_loc = value, loc
+            else:
+                sig.attrs = value
+        return sig
+
+    @v_args(meta=True)
+    def outputs_clause(self, meta, children):
+        ints = [t for t in children if t.type == "INT"]
+        low = self._int(ints[0])
+        if not any(t.type == "RANGE" for t in children):
+            high: int | None = low
+        else:
+            high = self._int(ints[1]) if len(ints) > 1 else None
+        if low < 1:
+            self.error("an op has at least one output", self._loc(ints[0]))
+        elif high is not None and high < low:
+            self.error(f"empty output range {low}..{high}", self._loc(ints[1]))
+        return ("outputs", (low, high), self._loc(meta))
+
+    @v_args(meta=True)
+    def attrs_clause(self, meta, children):
+        return ("attrs", list(children), self._loc(meta))
+
+    def attr_sig(self, children):
+        name, kind = children
+        return ast.AttrSig(str(name), str(kind), self._loc(name), self._loc(kind))
+
     @v_args(meta=True)
     def rule(self, meta, children):
         name = children[0]
         decl = ast.RuleDecl(str(name), self._loc(name))
+        options: dict[str, SourceLocation] = {}
         for child in children[1:]:
-            if isinstance(child, tuple) and child[0] == "priority":
-                decl.priority = child[1]
-            elif isinstance(child, tuple) and child[0] == "tier":
-                decl.tier = child[1]
+            if isinstance(child, tuple) and child[0] in ("priority", "tier"):
+                option, value, loc = child
+                if option in options:
+                    self.error(f"rule {decl.name!r} gives its {option} twice (first at {options[option]})",
+                               loc, f"a rule has one {option}")
+                    continue
+                options[option] = loc
+                setattr(decl, option, value)
             elif isinstance(child, tuple) and child[0] == "match":
                 for stmt in child[1]:
                     if isinstance(stmt, ast.Binding):
@@ -181,11 +253,13 @@ class _Builder(Transformer):
                 decl.actions = child[1]
         return decl
 
-    def priority(self, children):
-        return ("priority", int(children[0]))
+    @v_args(meta=True)
+    def priority(self, meta, children):
+        return ("priority", self._int(children[0]), self._loc(meta))
 
-    def tier(self, children):
-        return ("tier", str(children[0]))
+    @v_args(meta=True)
+    def tier(self, meta, children):
+        return ("tier", str(children[0]), self._loc(meta))
 
     def match_block(self, children):
         return ("match", list(children))
@@ -229,11 +303,11 @@ class _Builder(Transformer):
 
     def attr_number(self, children):
         tok = children[0]
-        return ast.AttrValue("number", _number(str(tok)), self._loc(tok))
+        return ast.AttrValue("number", self._number(tok), self._loc(tok))
 
     def attr_string(self, children):
         tok = children[0]
-        return ast.AttrValue("string", _unquote(str(tok)), self._loc(tok))
+        return ast.AttrValue("string", self._unquote(tok), self._loc(tok))
 
     def attr_name(self, children):
         tok = children[0]
@@ -264,7 +338,7 @@ class _Builder(Transformer):
         return list(children)
 
     def dim_int(self, children):
-        return ast.Dim("int", int(children[0]), self._loc(children[0]))
+        return ast.Dim("int", self._int(children[0]), self._loc(children[0]))
 
     def dim_name(self, children):
         return ast.Dim("name", str(children[0]), self._loc(children[0]))
@@ -291,12 +365,13 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def chunk_action(self, meta, children):
         names = [self._named(t) for t in children if isinstance(t, Token) and t.type == "NAME"]
-        dim = next(int(t) for t in children if isinstance(t, Token) and t.type == "SIGNED_INT")
-        return ast.ChunkAction(names, dim, children[-1], self._loc(meta))
+        dim = next(t for t in children if isinstance(t, Token) and t.type == "SIGNED_INT")
+        return ast.ChunkAction(names, self._int(dim), children[-1], self._loc(meta), self._loc(dim))
 
     # expressions
     def _expr(self, meta, kind, value=None, args=(), unit=None):
-        return ast.Expr(kind, self._loc(meta), value, list(args), unit, self._text(meta))
+        span = (0, 0) if getattr(meta, "empty", True) else (meta.start_pos, meta.end_pos)
+        return ast.Expr(kind, self._loc(meta), value, list(args), unit, self.text[span[0]:span[1]], span)
 
     @v_args(meta=True)
     def or_expr(self, meta, children):
@@ -307,9 +382,13 @@ class _Builder(Transformer):
         return self._left_fold(meta, children, ["and"] * (len(children) - 1))
 
     def _left_fold(self, meta, operands, operators):
+        """`a + b - c` -> ((a + b) - c); each binop's text is its own part of the chain."""
         result = operands[0]
+        start = meta.start_pos
         for op, rhs in zip(operators, operands[1:]):
-            result = self._expr(meta, "binop", str(op), [result, rhs])
+            span = (start, rhs.span[1])
+            result = ast.Expr("binop", self._loc(meta), str(op), [result, rhs], None,
+                              self.text[span[0]:span[1]], span)
         return result
 
     @v_args(meta=True)
@@ -333,7 +412,7 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def number(self, meta, children):
         unit = self._named(children[1]) if len(children) > 1 else None
-        return self._expr(meta, "number", _number(str(children[0])), unit=unit)
+        return self._expr(meta, "number", self._number(children[0]), unit=unit)
 
     @v_args(meta=True)
     def call(self, meta, children):
@@ -345,13 +424,60 @@ class _Builder(Transformer):
 
     @v_args(meta=True)
     def string(self, meta, children):
-        return self._expr(meta, "string", _unquote(str(children[0])))
+        return self._expr(meta, "string", self._unquote(children[0]))
+
+    # literals
+    def _number(self, tok: Token) -> int | float:
+        """A number literal; one that is not finite or not strictly between -2**63 and 2**63 is
+        refused (and read as 0) before Python's int-string limit or an infinity can bite."""
+        text = str(tok)
+        if not any(c in text for c in ".eE"):
+            return self._int(tok)
+        value = float(text)
+        if not math.isfinite(value) or abs(value) >= MAX_LITERAL:
+            self.error(f"number {_short(text)} is out of range", self._loc(tok),
+                       "numbers lie strictly between -2**63 and 2**63")
+            return 0
+        mantissa = text.lstrip("+-").lower().split("e")[0]
+        if value == 0 and mantissa.strip("0.") != "":
+            self.error(f"number {_short(text)} is too small: it would be read as 0", self._loc(tok))
+            return 0
+        return value
+
+    def _int(self, tok: Token) -> int:
+        text = str(tok)
+        digits = text.lstrip("+-").lstrip("0") or "0"
+        value = int(digits) if len(digits) <= 19 else MAX_LITERAL   # 19 digits: far from int()'s limit
+        if value >= MAX_LITERAL:
+            self.error(f"integer {_short(text)} is out of range", self._loc(tok),
+                       "integers lie strictly between -2**63 and 2**63")
+            return 0
+        return -value if text.startswith("-") else value
+
+    def _unquote(self, tok: Token) -> str:
+        """A string literal's value. The escapes are the ones _ESCAPES lists; any other is an error."""
+        body = str(tok)[1:-1]
+        if "\\" not in body:
+            return body
+        out, i = [], 0
+        while i < len(body):
+            if body[i] != "\\":
+                out.append(body[i])
+                i += 1
+                continue
+            escape = body[i + 1]    # the STRING terminal never ends in a lone backslash
+            if escape not in _ESCAPES:
+                self.error(f"unknown escape {body[i:i + 2]!r} in a string",
+                           SourceLocation(self.path, tok.line, tok.column + 1 + i),
+                           "the escapes are " + " ".join("\\" + e for e in _ESCAPES))
+                return body
+            out.append(_ESCAPES[escape])
+            i += 2
+        return "".join(out)
 
 
-def _number(text: str) -> int | float:
-    return float(text) if any(c in text for c in ".eE") else int(text)
+_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
 
 
-def _unquote(text: str) -> str:
-    body = text[1:-1]
-    return body.encode("utf-8").decode("unicode_escape") if "\\" in body else body
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} characters)"

@@ -10,6 +10,7 @@ from .failures import PlanFailure, Site, at_site, resolve_strict
 from .ir import Graph
 from .matcher import Match, MatchContext, Reason, match
 from .patterns import RuleSet
+from .plan_type import PlanType
 from .plans import ConfigEntry, Plan, parse_config, select
 from .strategies.chunk import ChunkRegion, grow_chunk
 from .strategies.recompute import Region, Rewriter, StashState, grow
@@ -52,7 +53,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
         raise RuleError(f"unknown tier(s) {', '.join(sorted(unknown))}; the rules define: "
                         f"{', '.join(sorted(rules.tiers()))}")
     enabled = rules.enabled(tiers)
-    analysis = analyze(graph, forward_outputs or graph.meta.get("forward_outputs"))
+    analysis = analyze(graph, forward_outputs or graph.forward_outputs)
     ctx = MatchContext(graph, enabled, analysis, excluded=excluded, strict=strict)
     state = StashState.of(analysis)
     plans: dict[tuple[str, int], Plan] = {}
@@ -60,7 +61,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
         try:
             with at_site(Site(m.rule.name, m.root.name), "grow"):
-                region = grow_chunk(m, ctx) if m.rule.plan_type == 3 else grow(m, ctx, state)
+                region = grow_chunk(m, ctx) if m.rule.plan_type == PlanType.CHUNK else grow(m, ctx, state)
         except PlanFailure as failure:
             if strict:
                 raise
@@ -129,8 +130,8 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     # In schedule order, whatever their plans: a backend builds them one at a time, first first.
     # (Measured on the GPT-like ONNX graph, vocab 32768: building the loss's region before the
     # attention's left ONNX Runtime's peak 16 MiB higher; the cause was not pinned down.)
-    chunks = sorted((r for p, r in chosen if p.type == 3), key=lambda r: analysis.position[id(r.match.root)])
-    chosen = [(p, r) for p, r in chosen if p.type != 3]
+    chunks = sorted((r for p, r in chosen if p.type == PlanType.CHUNK), key=lambda r: analysis.position[id(r.match.root)])
+    chosen = [(p, r) for p, r in chosen if p.type != PlanType.CHUNK]
     for p, region in sorted(chosen, key=lambda pr: _priority(pr[1].match, analysis)):
         with at_site(Site(region.match.rule.name, region.match.root.name), "rewrite", p.key):
             fresh = grow(region.match, ctx, state)

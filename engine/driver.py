@@ -26,6 +26,7 @@ from .errors import GraphError, RuleError
 from .failures import PlanFailure, Site, at_site, resolve_strict, with_fallback
 from .ir import Graph
 from .patterns import RuleSet
+from .plan_type import RECOMPUTE_TYPES, PlanType
 from .plans import ConfigEntry, parse_config, select
 from .strategies.chunk import ChunkRegion
 
@@ -82,7 +83,7 @@ def plan_all(current: Callable[[bool], Graph], rules: RuleSet, tiers: tuple[str,
     """The plan table of a backend's graph as `rewrite` sees it: chunk plans on the graph op
     by op (`current(False)`), the others with decomposed ops folded (`current(True)`)."""
     check_tiers(rules, tiers)
-    chunk_rules, other_rules = rules.of_types({3}), rules.of_types({1, 2})
+    chunk_rules, other_rules = rules.of_types({PlanType.CHUNK}), rules.of_types(RECOMPUTE_TYPES)
     planning = plan(current(True), other_rules, _known(other_rules, tiers), forward_outputs, strict)
     if chunk_rules.rules:
         chunking = plan(current(False), chunk_rules, _known(chunk_rules, tiers), forward_outputs, strict)
@@ -138,9 +139,9 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
     if entries is not None:
         # Checked once against the graph as given; the re-plans below skip the plans consumed.
         select(plan_all(builder.current, rules, tiers, forward_outputs, strict).plans, entries)
-    chunk_entries = None if entries is None else [e for e in entries if e.type == 3]
-    other_entries = None if entries is None else [e for e in entries if e.type != 3]
-    chunk_rules, other_rules = rules.of_types({3}), rules.of_types({1, 2})
+    chunk_entries = None if entries is None else [e for e in entries if e.type == PlanType.CHUNK]
+    other_entries = None if entries is None else [e for e in entries if e.type != PlanType.CHUNK]
+    chunk_rules, other_rules = rules.of_types({PlanType.CHUNK}), rules.of_types(RECOMPUTE_TYPES)
     first: Result | None = None
     chunked, not_built = 0, []
     unbuildable: set[Site] = set()
@@ -165,7 +166,7 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
             continue
         chunked += 1
         for p in first.plans:
-            if p.key == region.key and p.type == 3:
+            if p.key == region.key and p.type == PlanType.CHUNK:
                 p.applied += 1
     result = apply(builder.current(fold=True), other_rules, other_entries, _known(other_rules, tiers),
                    forward_outputs, lenient=True, strict=strict, excluded=excluded)

@@ -6,27 +6,20 @@ this and exports out of it; rules match on it.
 
 Op names are ONNX operator names for the default domain (`Gelu`), and
 `domain::name` otherwise (`com.microsoft::BiasGelu`, `aten::gelu`).
+
+What importers and strategies tell the engine about a node or a value are typed fields,
+documented where they are declared; `meta` holds only a backend's own notes, which the
+engine never reads.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import DType
 from .errors import GraphError
 from .shapes import Dim, format_shape, numel, simplify
-
-
-# Node meta: the op (IR name) a backend decomposed into this node and its neighbours, where
-# the node does not stand for it whole (an unfolded `log_softmax` became `amax`, `sub`, ...).
-DECOMPOSED_FROM = "decomposed_from"
-
-# Value meta: a constant operand that a backend writes inline in its op (a Python scalar
-# argument of an ATen op, `x / 8.0`). Importers turn such scalars into constant values, so an
-# op's operands sit at the same positions whichever exporter made the graph (ONNX's Div
-# reads its divisor as a tensor); a literal has no node of its own in the backend's graph.
-LITERAL = "literal"
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +35,15 @@ class Value:
     is_initializer: bool = False
     data: Any = field(default=None, repr=False)
     meta: dict[str, Any] = field(default_factory=dict, repr=False)
+    # An incoming gradient of a joint graph (fx: the `tangents_*` placeholders).
+    tangent: bool = field(default=False, repr=False)
+    # A constant operand a backend writes inline in its op (a Python scalar argument of an
+    # ATen op, `x / 8.0`). Importers make such scalars constant values, so an op's operands
+    # sit at the same positions whichever exporter made the graph (ONNX's Div reads its
+    # divisor as a tensor); a literal has no node of its own in the backend's graph.
+    literal: bool = field(default=False, repr=False)
+    # The value of a small integer constant (axes, a shape), for ops that read it as a parameter.
+    ints: list[int] | None = field(default=None, repr=False)
 
     @property
     def numel(self) -> Dim | None:
@@ -71,6 +73,21 @@ class Node:
     name: str = ""
     subgraphs: dict[str, "Graph"] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    # The backend's own spelling of the op where the IR op is an ONNX name (`aten::gelu` for a
+    # Gelu from torch): rules may name either.
+    native_op: str | None = None
+    # The IR op a backend decomposed into this node and its neighbours, where the node does not
+    # stand for it whole (an unfolded `log_softmax` became `amax`, `sub`, ...).
+    decomposed_from: str | None = None
+    # Schema defaults of the attributes the node does not write (ONNX), for attribute matching.
+    attr_defaults: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The backend nodes this IR node stands for (fx: the nodes of one decomposed op, folded).
+    backend_nodes: list[str] = field(default_factory=list, repr=False)
+    # Written by a chunk builder for one slice of a region: not chunked again.
+    chunk_slice: bool = False
+    # Written by the recompute rewriter on a clone: the node it recomputes, and the region.
+    recompute_of: str | None = None
+    recompute_region: int | None = None
 
     @property
     def domain(self) -> str:
@@ -114,6 +131,8 @@ class Graph:
     name: str = "graph"
     dim_examples: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    # The forward part's outputs (by default the first graph output, the loss).
+    forward_outputs: list[str] | None = None
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,8 +192,7 @@ class Graph:
             if v is None:
                 return None
             if id(v) not in mapping:
-                mapping[id(v)] = Value(v.name, v.dtype, v.shape, is_input=v.is_input,
-                                       is_initializer=v.is_initializer, data=v.data, meta=dict(v.meta))
+                mapping[id(v)] = replace(v, producer=None, users=[], meta=dict(v.meta))
             return mapping[id(v)]
 
         return self._copy_with(val)
@@ -182,11 +200,12 @@ class Graph:
     def _copy_with(self, val) -> "Graph":
         inputs = [val(v) for v in self.inputs]
         inits = [val(v) for v in self.initializers]
-        nodes = [Node(n.op, [val(v) for v in n.inputs], [val(v) for v in n.outputs], dict(n.attrs),
-                      n.name, {k: g._copy_with(val) for k, g in n.subgraphs.items()}, dict(n.meta))
+        nodes = [replace(n, inputs=[val(v) for v in n.inputs], outputs=[val(v) for v in n.outputs],
+                         attrs=dict(n.attrs), subgraphs={k: g._copy_with(val) for k, g in n.subgraphs.items()},
+                         meta=dict(n.meta), backend_nodes=list(n.backend_nodes))
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
-                     dict(self.dim_examples), dict(self.meta))
+                     dict(self.dim_examples), dict(self.meta), self.forward_outputs)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

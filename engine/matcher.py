@@ -59,7 +59,7 @@ class MatchContext:
         self.failures: list[PlanFailure] = []     # internal failures at sites, collected when not strict
         self.rules = rules
         self._analysis = analysis
-        self._forward_outputs = forward_outputs or graph.meta.get("forward_outputs")
+        self._forward_outputs = forward_outputs or graph.forward_outputs
         self._saved: dict[int, bool] = {}
         self.examples = graph.dim_examples
 
@@ -157,12 +157,12 @@ def _compile_node(pat: NodePattern):
     out_name = outputs[0][1] if outputs else None
 
     def match_node(node: Node, bindings: dict[str, Any], matched: list[Node]) -> None:
-        if node.op not in ops and node.meta.get("native_op") not in ops:
+        if node.op not in ops and node.native_op not in ops:
             raise fail_op(node)
         for key, want in attrs:
             have = node.attrs.get(key, _MISSING)
             if have is _MISSING:
-                have = node.meta.get("attr_defaults", {}).get(key, _MISSING)
+                have = node.attr_defaults.get(key, _MISSING)
                 if have is _MISSING:
                     raise _Fail(pat.location, f"`{pat.text}`: {node.name} has no attribute {key!r}")
             if have != want and not _attr_equal(want, have):
@@ -209,7 +209,7 @@ def _compile_node(pat: NodePattern):
 
     def match_simple(node: Node, bindings: dict[str, Any], matched: list[Node]) -> None:
         """match_node for the common case: fixed arity <= 2, no attributes, output 0 at most."""
-        if node.op not in ops and node.meta.get("native_op") not in ops:
+        if node.op not in ops and node.native_op not in ops:
             raise fail_op(node)
         inputs = node.inputs
         if len(inputs) != n_args:
@@ -394,7 +394,7 @@ def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
         for node in graph.nodes:
             candidates = get(node.op)
             if qualified:
-                native = node.meta.get("native_op")
+                native = node.native_op
                 if native is not None and native in index:
                     seen = {id(c[0]) for c in candidates or ()}
                     candidates = list(candidates or ()) + [c for c in index[native] if id(c[0]) not in seen]
@@ -453,7 +453,7 @@ def explain(graph: Graph, rules: RuleSet, rule_name: str, node_name: str | None 
 
             raise GraphError(f"no node or value named {node_name!r} in the graph")
     else:
-        nodes = [n for n in graph.nodes if rule.root.accepts(n.op, n.meta.get("native_op"))]
+        nodes = [n for n in graph.nodes if rule.root.accepts(n.op, n.native_op)]
     if not nodes:
         return [Explanation(rule, None, False, [Reason(rule.root.location,
                 f"no node has op {'|'.join(sorted(rule.root.ops))}, the root of `{rule.root.text}`")])]

@@ -35,3 +35,11 @@ ONNX_OPS = frozenset({
     'Tan', 'Tanh', 'TensorScatter', 'TfIdfVectorizer', 'ThresholdedRelu', 'Tile', 'TopK',
     'Transpose', 'Trilu', 'Unique', 'Unsqueeze', 'Upsample', 'Where', 'Xor',
 })
+
+# (op, attribute) pairs of the default domain whose integer value is an element type: the IR
+# holds a DType there (backends convert), so a rule writes a dtype name (`Cast(x, to=float32)`).
+DTYPE_ATTRIBUTES = frozenset({
+    ("Cast", "to"), ("EyeLike", "dtype"), ("RandomNormal", "dtype"), ("RandomUniform", "dtype"),
+    ("RandomNormalLike", "dtype"), ("RandomUniformLike", "dtype"), ("Bernoulli", "dtype"),
+    ("Multinomial", "dtype"),
+})

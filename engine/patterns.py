@@ -12,9 +12,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import DType
-from .errors import SourceLocation
+from .errors import RuleError, SourceLocation
 
 DEFAULT_TIER = "default"
+
+# The matcher and the guard evaluator recurse over patterns and expressions; a Rule refuses
+# deeper ones (the rule compiler reports them first, with positions: dsl/limits.py).
+MAX_PATTERN_DEPTH = 64
+MAX_EXPR_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -85,11 +90,49 @@ class Expr:
     text: str = ""
 
 
+def expr_depth(expr: Expr) -> int:
+    """The depth of an expression tree (a leaf is 1), measured with an explicit stack."""
+    deepest, stack = 0, [(expr, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((a, depth + 1) for a in node.args)
+    return deepest
+
+
+def pattern_depth(root: "NodePattern") -> int:
+    """Ops nested in ops, through nested patterns and captured outputs (an explicit stack; a
+    pattern several inputs share is measured once)."""
+    depth: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[NodePattern, bool]] = [(root, False)]
+    while stack:
+        pat, children_done = stack.pop()
+        inputs = [a if isinstance(a, NodePattern) else a.pattern
+                  for a in pat.args if isinstance(a, (NodePattern, OutputRef))]
+        if children_done:
+            open_.discard(id(pat))
+            depth[id(pat)] = 1 + max((depth.get(id(p), 0) for p in inputs), default=0)
+        elif id(pat) not in depth and id(pat) not in open_:
+            open_.add(id(pat))
+            stack.append((pat, True))
+            stack.extend((p, False) for p in inputs)
+    return depth[id(root)]
+
+
+def _check_depth(expr: Expr, location: SourceLocation) -> None:
+    if expr_depth(expr) > MAX_EXPR_DEPTH:
+        raise RuleError(f"expression nested too deeply (limit {MAX_EXPR_DEPTH})", location)
+
+
 @dataclass
 class Guard:
     expr: Expr
     location: SourceLocation
     text: str
+
+    def __post_init__(self) -> None:
+        _check_depth(self.expr, self.location)
 
 
 @dataclass
@@ -117,6 +160,9 @@ class Chunk:
     count: "Expr"
     location: SourceLocation
 
+    def __post_init__(self) -> None:
+        _check_depth(self.count, self.location)
+
 
 Action = Recompute | Save | Chunk
 
@@ -132,6 +178,10 @@ class Rule:
     priority: int = 0
     tier: str = DEFAULT_TIER
     order: int = 0                  # position among all rules, for deterministic tie-breaks
+
+    def __post_init__(self) -> None:
+        if pattern_depth(self.root) > MAX_PATTERN_DEPTH:
+            raise RuleError(f"pattern nested too deeply (limit {MAX_PATTERN_DEPTH})", self.location)
 
     @property
     def plan_type(self) -> int:

@@ -1,7 +1,7 @@
 """Plans: matches clustered by the op types of what they recompute, and the configs that pick them.
 
 A plan is keyed like ONNX Runtime's memory optimizer keys its subgraphs
-(`Gelu+Reshape+`) and has a type: 1 recompute, 2 recompute with compromise.
+(`Gelu+Reshape+`) and has a PlanType: 1 recompute, 2 recompute with compromise, 3 chunk.
 Configs use ONNX Runtime's plan strings, `KEY:TYPE:COUNT[,...]` (COUNT -1 for
 all occurrences, N for the first N in schedule order), or a JSON list of them.
 """
@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .plan_type import ON_BY_DEFAULT, PlanType
 from .shapes import Dim, simplify
 from .strategies.chunk import ChunkRegion
 from .strategies.recompute import Region
 
-TYPE_NAMES = {1: "Recompute", 2: "RecomputeWithCompromise", 3: "Chunk"}
 
 
 @dataclass
 class Plan:
     key: str
-    type: int
+    type: PlanType
     occurrences: list[Region | ChunkRegion] = field(default_factory=list)
     requested: int = 0          # 0 off, -1 all, N first N
     applied: int = 0
@@ -51,7 +51,7 @@ class Plan:
             return None
 
     def config_string(self, count: int = -1) -> str:
-        return f"{self.key}:{self.type}:{count}"
+        return f"{self.key}:{int(self.type)}:{count}"
 
     def shapes(self) -> list[tuple[str, int]]:
         """Distinct target shapes with how often each occurs (the seeds' PatternShape rows)."""
@@ -65,7 +65,7 @@ class Plan:
 @dataclass(frozen=True)
 class ConfigEntry:
     key: str
-    type: int
+    type: PlanType
     count: int
     source: str
 
@@ -131,12 +131,12 @@ def _parse_entry(item: str, where: str) -> ConfigEntry:
         type_, count = int(type_text), int(count_text)
     except ValueError:
         raise ConfigError(f"{where}: TYPE and COUNT must be integers") from None
-    if type_ not in TYPE_NAMES:
+    if type_ not in PlanType.__members__.values():
         raise ConfigError(f"{where}: TYPE {type_} is not one of "
-                          + ", ".join(f"{t} ({n})" for t, n in TYPE_NAMES.items()))
+                          + ", ".join(f"{t.value} ({t.label})" for t in PlanType))
     if count < -1 or count == 0:
         raise ConfigError(f"{where}: COUNT must be -1 (all) or a positive number")
-    return ConfigEntry(key.strip(), type_, count, where)
+    return ConfigEntry(key.strip(), PlanType(type_), count, where)
 
 
 def select(plans: list[Plan], config: list[ConfigEntry] | None, lenient: bool = False) -> None:
@@ -146,7 +146,7 @@ def select(plans: list[Plan], config: list[ConfigEntry] | None, lenient: bool = 
     checking the config against the whole graph once."""
     if config is None:
         for p in plans:
-            p.requested = -1 if p.type in (1, 3) else 0
+            p.requested = -1 if p.type in ON_BY_DEFAULT else 0
         return
     by_key = {(p.key, p.type): p for p in plans}
     for entry in config:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .plans import TYPE_NAMES, Plan
+from .plan_type import PlanType
+from .plans import Plan
 from .shapes import evaluate, format_bytes, format_dim, free_dims, simplify
 
 if TYPE_CHECKING:
@@ -22,8 +23,8 @@ def _row(plan: Plan, examples: dict[str, int], applied_known: bool) -> dict[str,
     saving = plan.saving()
     row = {
         "plan": plan.key,
-        "type": plan.type,
-        "type_name": TYPE_NAMES[plan.type],
+        "type": int(plan.type),
+        "type_name": plan.type.label,
         "status": _status(plan, applied_known),
         "config": plan.config_string(),
         "frequency": plan.frequency,
@@ -32,7 +33,7 @@ def _row(plan: Plan, examples: dict[str, int], applied_known: bool) -> dict[str,
         "rules": plan.rules,
         "shapes": [{"shape": s, "frequency": n} for s, n in plan.shapes()],
     }
-    if plan.type == 2:
+    if plan.type == PlanType.RECOMPUTE_WITH_COMPROMISE:
         kept = plan.kept_fraction()
         row["fraction_saved"] = None if kept is None else round(1.0 - kept, 4)
     return row

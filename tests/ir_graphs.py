@@ -34,7 +34,7 @@ class GraphBuilder:
     def graph(self, outputs: list[Value], forward_outputs: list[str] | None = None) -> Graph:
         g = Graph(self.nodes, self.inputs, outputs, self.weights, dim_examples=dict(self.examples))
         if forward_outputs:
-            g.meta["forward_outputs"] = forward_outputs
+            g.forward_outputs = forward_outputs
         g.verify()
         return g
 

@@ -133,10 +133,10 @@ def test_attribute_default_from_schema_is_used():
     x = b.input("x", shape=(4, 8))
     s = b.op("Softmax", [x], name="s")
     g = b.graph([s])
-    g.nodes[0].meta["attr_defaults"] = {"axis": -1}
+    g.nodes[0].attr_defaults = {"axis": -1}
     rules = compile_text("rule r {\n match {\n y = Softmax(x, axis=-1)\n }\n rewrite { recompute y }\n}\n")
     assert len(match(g, rules)) == 1
-    g.nodes[0].meta["attr_defaults"] = {}
+    g.nodes[0].attr_defaults = {}
     [why] = explain(g, rules, "r")
     assert "has no attribute 'axis'" in why.reasons[0].message
 

@@ -19,7 +19,6 @@ from backends.onnx.rewrite import apply_rules  # noqa: E402
 from dsl.loader import compile_text, load_rules  # noqa: E402
 from engine.apply import plan  # noqa: E402
 from engine.failures import PlanFailure, inject_failure  # noqa: E402
-from engine.ir import LITERAL  # noqa: E402
 
 
 def _mlp():
@@ -160,11 +159,11 @@ def test_python_scalars_are_operands_in_the_ir():
     model = TemperatureHead()
     x, labels = torch.randn(64, 16), torch.randint(0, 256, (64,))
     graph = import_fx(fx_backend.joint_graph(model, (x, labels)), fold=False)
-    divs = [n for n in graph.nodes if n.op == "Div" and any(v.meta.get(LITERAL) for v in n.inputs)]
+    divs = [n for n in graph.nodes if n.op == "Div" and any(v.literal for v in n.inputs)]
     assert divs, "the division by 2.0 has its divisor as an operand"
     for node in divs:
         assert len(node.inputs) == 2
-        [literal] = [v for v in node.inputs if v.meta.get(LITERAL)]
+        [literal] = [v for v in node.inputs if v.literal]
         assert literal.shape == () and float(np.asarray(literal.data)) == 2.0
 
 

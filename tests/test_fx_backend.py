@@ -35,11 +35,11 @@ def test_joint_graph_imports_with_onnx_names_and_native_ops(model):
     ops = {n.op for n in graph.nodes}
     assert {"Gelu", "Softmax", "LayerNormalization", "MatMul", "Gemm", "Reshape"} <= ops
     gelu = next(n for n in graph.nodes if n.op == "Gelu")
-    assert gelu.meta["native_op"] == "aten::gelu"
+    assert gelu.native_op == "aten::gelu"
     softmax = next(n for n in graph.nodes if n.op == "Softmax")
     assert softmax.attrs["axis"] == -1
-    a = analyze(graph, graph.meta["forward_outputs"])
-    assert graph.meta["forward_outputs"] == [graph.outputs[0].name] and a.stashed
+    a = analyze(graph, graph.forward_outputs)
+    assert graph.forward_outputs == [graph.outputs[0].name] and a.stashed
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,6 @@ def _decomposed(with_outside_read_inside: bool):
 def test_decomposed_op_folds_into_one_node_only_when_contiguous():
     folded = import_fx(_decomposed(False))
     assert [n.op for n in folded.nodes] == ["Gelu", "Neg", "Add"]
-    assert folded.nodes[0].meta["fx_nodes"] == ["exp_default", "mul_tensor"]
+    assert folded.nodes[0].backend_nodes == ["exp_default", "mul_tensor"]
     kept = import_fx(_decomposed(True))
     assert [n.op for n in kept.nodes] == ["Exp", "Neg", "Mul", "Add"]

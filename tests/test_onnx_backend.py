@@ -53,14 +53,12 @@ def test_recompute_clones_survive_default_session_cse(tmp_path):
 
 def test_without_barrier_cse_merges_the_clones(tmp_path):
     """The trap DESIGN.md measured, kept as a test: plain clones are merged back."""
-    from backends.onnx import exporter
-
     model, _ = build_mlp(64, [Layer(256, "Gelu"), Layer(64, "Gelu")], dims=(512,), examples={})
     result = apply(import_model(model), RULES)
     assert result.plans[0].applied == 1
     plain = result.graph.copy()
     for node in plain.nodes:
-        node.meta.pop(exporter.RECOMPUTE_REGION, None)
+        node.recompute_region = None
     counts = optimized_op_counts(export_model(plain), tmp_path)
     assert counts["Gelu"] == optimized_op_counts(model, tmp_path)["Gelu"]
 

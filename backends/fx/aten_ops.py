@@ -1,7 +1,7 @@
 """ATen ops -> the IR's op vocabulary (ONNX operator names).
 
 Where an ONNX operator computes the same thing, the node gets its name so one rule
-matches both backends; the ATen spelling stays in `meta["native_op"]` (`aten::gelu`),
+matches both backends; the ATen spelling stays in `Node.native_op` (`aten::gelu`),
 which rules may name too. Ops with no ONNX twin keep their native name as the op.
 """
 from __future__ import annotations

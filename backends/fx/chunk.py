@@ -20,7 +20,6 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
-from engine.ir import LITERAL
 from engine.strategies.chunk import ChunkRegion
 
 aten = torch.ops.aten
@@ -62,19 +61,19 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     over the slices per phase."""
     gm = graph.owning_module
     by_name = {n.name: n for n in graph.nodes}
-    in_region = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.nodes}
-    elided = {_fx(n.meta["fx_nodes"][0], by_name) for n in region.elided}
+    in_region = {_fx(n.backend_nodes[0], by_name) for n in region.nodes}
+    elided = {_fx(n.backend_nodes[0], by_name) for n in region.elided}
     phases = []
     for phase in region.phases:
-        body = [_fx(n.meta["fx_nodes"][0], by_name) for n in phase.nodes]
+        body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
         meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
         # A literal operand (`x / 8.0`) is written inline in the node that reads it.
-        read = [v for v in phase.inputs if not v.meta.get(LITERAL)]
+        read = [v for v in phase.inputs if not v.literal]
         inputs = [_fx(v.name, by_name) for v in read]
         input_meta = [region.meta_of(v) for v in read]
         outputs = [_fx(v.name, by_name) for v in phase.outputs]
         output_meta = [region.meta_of(v) for v in phase.outputs]
-        recomputed = {_fx(n.meta["fx_nodes"][0], by_name) for n in phase.recomputed}
+        recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
         # The subgraphs first: a region that cannot be built raises before the graph is touched.
         built = {size: _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
                  for size in sorted(set(region.chunks))}
@@ -99,7 +98,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
     rank = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
     tangent = _fx(region.tangent.name, by_name) if region.tangent is not None else None
-    chain = [_fx(n.meta["fx_nodes"][0], by_name) for n in region.tangent_chain]
+    chain = [_fx(n.backend_nodes[0], by_name) for n in region.tangent_chain]
     out_node = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(out_node):
         unscaled: dict[fx.Node, fx.Node] = {}

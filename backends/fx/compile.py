@@ -84,7 +84,7 @@ class FxBuilder:
         for region in result.applied:
             with at_site(Site(region.match.rule.name, region.match.root.name), "build", region.key):
                 for node in region.nodes:
-                    for name in node.meta.get("fx_nodes", [node.name]):
+                    for name in node.backend_nodes or [node.name]:
                         by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
     def commit(self) -> None:

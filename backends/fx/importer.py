@@ -4,7 +4,7 @@ Inductor decomposes ops like gelu and layer_norm into chains of pointwise nodes 
 the joint graph exists; each of those nodes keeps `meta["original_aten"]` and the
 autograd `seq_nr` of the op it came from. Nodes of one decomposed op instance become
 one IR node named after the original op, so `y = Gelu(x)` matches on both backends;
-`meta["fx_nodes"]` lists the fx nodes an IR node stands for.
+`Node.backend_nodes` lists the fx nodes an IR node stands for.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import fx
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import DECOMPOSED_FROM, LITERAL, Graph, Node, Value
+from engine.ir import Graph, Node, Value
 from engine.shapes import parse_dim
 
 from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS, canonical_attributes
@@ -73,7 +73,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
     partitioner's tags in a joint graph), else the first (the loss). With `fold`, the nodes a
     decomposition made of one ATen op become one node again; without it every fx node is one
     IR node (what chunking needs: it slices the decomposed loss op by op). Placeholders named
-    `tangents_*` (the incoming gradients of a joint graph) get `meta["tangent"]`."""
+    `tangents_*` (the incoming gradients of a joint graph) are `Value.tangent`."""
     graph = source.graph if isinstance(source, fx.GraphModule) else source
     values: dict[fx.Node, Any] = {}
     inputs: list[Value] = []
@@ -115,7 +115,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             v = _value(fx_node.name, example)
             v.is_input = True
             if fx_node.name.startswith("tangents"):
-                v.meta["tangent"] = True
+                v.tangent = True
             values[fx_node] = v
             inputs.append(v)
         elif fx_node.op == "get_attr":      # a module attribute: a chunk's subgraph, a constant
@@ -148,7 +148,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             produced = [produced[i] for i in order]
             base = _base_name(members[0].meta["original_aten"])
             node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, {}, produced[0].name if produced else members[0].name,
-                        meta={"native_op": f"aten::{base}", "fx_nodes": [m.name for m in members]})
+                        native_op=f"aten::{base}", backend_nodes=[m.name for m in members])
             for m, v in zip(produced, outs):
                 values[m] = v
             emitted.add(key)
@@ -158,7 +158,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
             result = Graph(nodes, inputs, outputs, attributes, name="joint")
-            result.meta["forward_outputs"] = _forward_outputs(fx_node, values, forward_outputs)
+            result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
             return result
     raise GraphError("the fx graph has no output node")
@@ -203,11 +203,11 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
     else:
         outs = [_value(fx_node.name, example)]
         values[fx_node] = outs[0]
-    meta = {"native_op": f"aten::{base}", "fx_nodes": [fx_node.name]}
     original = fx_node.meta.get("original_aten")
-    if original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX:
-        meta[DECOMPOSED_FROM] = ATEN_TO_ONNX[_base_name(original)]
-    return Node(op, tensor_args, outs, attrs, fx_node.name, meta=meta)
+    decomposed = original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX
+    return Node(op, tensor_args, outs, attrs, fx_node.name, native_op=f"aten::{base}",
+                decomposed_from=ATEN_TO_ONNX[_base_name(original)] if decomposed else None,
+                backend_nodes=[fx_node.name])
 
 
 def _literal(name: str, number: bool | int | float, example: Any, args: tuple) -> Value:
@@ -216,8 +216,7 @@ def _literal(name: str, number: bool | int | float, example: Any, args: tuple) -
     like = example if isinstance(example, torch.Tensor) and example.dtype is not torch.bool else next(
         (a.meta.get("val") for a in args if isinstance(a, fx.Node)), None)
     dtype = _DTYPES.get(like.dtype, DType.UNKNOWN) if isinstance(like, torch.Tensor) else DType.UNKNOWN
-    value = Value(name, dtype, (), is_initializer=True, data=np.asarray(number))
-    value.meta[LITERAL] = True
+    value = Value(name, dtype, (), is_initializer=True, data=np.asarray(number), literal=True)
     return value
 
 

@@ -27,7 +27,7 @@ from onnx import numpy_helper
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
-from engine.strategies.chunk import CHUNK_SLICE, ChunkPhase, ChunkRegion
+from engine.strategies.chunk import ChunkPhase, ChunkRegion
 
 # Where an op's target shape sits among its inputs: rewritten to the slice's size when the op
 # makes a sliced value from a constant shape.
@@ -39,7 +39,7 @@ def _constant(names: Callable[[str], str], base: str, array: np.ndarray) -> Valu
     v = Value(name, _IR_DTYPES[array.dtype.type], tuple(array.shape), is_initializer=True,
               data=numpy_helper.from_array(array, name))
     if array.dtype.kind == "i" and array.size <= 16:
-        v.meta["ints"] = [int(x) for x in array.reshape(-1)]
+        v.ints = [int(x) for x in array.reshape(-1)]
     return v
 
 
@@ -120,7 +120,7 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str],
             graph.nodes[k] = None
         elif node.op == "CastLike" and id(node.inputs[1]) in after:
             graph.nodes[k] = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype},
-                                  node.name, meta={"attr_defaults": {}})
+                                  node.name)
     graph.nodes = [n for n in graph.nodes if n is not None]
     graph.initializers.extend(made)
     graph.link()
@@ -170,7 +170,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], s
         outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, size))
                 for o in node.outputs]
         g.nodes.append(Node(node.op, inputs, outs, dict(node.attrs), names(f"{node.name}_slice"),
-                            meta={"attr_defaults": node.meta.get("attr_defaults", {})}))
+                            attr_defaults=node.attr_defaults))
         for o, new in zip(node.outputs, outs):
             env[id(o)] = new
     cond_out = g.add("Identity", [cond], "cond_out", DType.BOOL, ())
@@ -181,7 +181,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], s
 
 
 def _resized_shape(g: _Graph, node: Node, shape: Value, dim: int, size: int) -> Value:
-    ints = shape.meta.get("ints")
+    ints = shape.ints
     if ints is None:
         raise GraphError(f"{node.op} {node.name} makes a sliced value from a computed shape (%{shape.name}); "
                          f"remat can rewrite only a constant one")
@@ -231,15 +231,15 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], 
                    for o, dim in zip(scans, scan_dims)]
         trip = g.const("trip_count", np.array(count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
-                            {"body": body}, meta={"attr_defaults": {}}))
+                            {"body": body}))
         totals = outs
         for k, (o, s, dim) in enumerate(zip(scans, stacked, scan_dims)):
             pieces[k].append(_unstack(g, s, o, dim, count, size))
     for o, total in zip(sums, totals):
-        g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked"), meta={"attr_defaults": {}}))
+        g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
     for o, parts, dim in zip(scans, pieces, scan_dims):
         op, attrs = ("Concat", {"axis": dim}) if len(parts) > 1 else ("Identity", {})
-        g.nodes.append(Node(op, parts, [o], attrs, names(f"{o.name}_chunked"), meta={"attr_defaults": {}}))
+        g.nodes.append(Node(op, parts, [o], attrs, names(f"{o.name}_chunked")))
     return g.nodes, g.initializers
 
 
@@ -252,7 +252,7 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
         outs = [Value(g.names(f"{o.name}_{iteration}"), o.dtype, o.shape) for o in node.outputs]
         g.nodes.append(Node(node.op, [None if v is None else env.get(id(v), v) for v in node.inputs], outs,
                             dict(node.attrs), g.names(f"{node.name}_{iteration}"),
-                            meta={**node.meta, CHUNK_SLICE: True}))
+                            meta=dict(node.meta), chunk_slice=True))
         env.update((id(o), new) for o, new in zip(node.outputs, outs))
     results = [env[id(v)] for v in body.outputs[1:]]
     return results[:len(carried)], results[len(carried):]

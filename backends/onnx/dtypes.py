@@ -14,14 +14,6 @@ _TO_IR = {
 }
 _TO_ONNX = {v: k for k, v in _TO_IR.items()}
 
-# (op, attribute) pairs whose integer value is an element type; the IR holds a DType there.
-DTYPE_ATTRIBUTES = {
-    ("Cast", "to"), ("EyeLike", "dtype"), ("RandomNormal", "dtype"), ("RandomUniform", "dtype"),
-    ("RandomNormalLike", "dtype"), ("RandomUniformLike", "dtype"), ("Bernoulli", "dtype"),
-    ("Multinomial", "dtype"),
-}
-
-
 def to_ir(elem_type: int) -> DType:
     return _TO_IR.get(elem_type, DType.UNKNOWN)
 

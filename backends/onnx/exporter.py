@@ -21,10 +21,10 @@ from onnx import helper
 from engine.dtypes import DType
 from engine.errors import RematError
 from engine.ir import Graph, Node, Value
+from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.shapes import format_dim, is_static
-from engine.strategies.recompute import RECOMPUTE_REGION
 
-from .dtypes import DTYPE_ATTRIBUTES, to_onnx
+from .dtypes import to_onnx
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, describe_onnx_error
 from .ort_schedule import schedule_for_onnxruntime
 
@@ -72,8 +72,8 @@ def export_model(graph: Graph, base: onnx.ModelProto | None = None,
         keep = {}
     if graph.dim_examples:
         keep[DIM_EXAMPLES_KEY] = json.dumps(graph.dim_examples)
-    if graph.meta.get("forward_outputs"):
-        keep[FORWARD_OUTPUTS_KEY] = json.dumps(graph.meta["forward_outputs"])
+    if graph.forward_outputs:
+        keep[FORWARD_OUTPUTS_KEY] = json.dumps(graph.forward_outputs)
     helper.set_model_props(model, keep)
     return model
 
@@ -109,7 +109,7 @@ def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:
     nodes: list[onnx.NodeProto] = []
     barrier_of: dict[tuple[int, int], str] = {}
     for node in graph.nodes:
-        region = node.meta.get(RECOMPUTE_REGION)
+        region = node.recompute_region
         inputs = []
         for v in node.inputs:
             if v is None:
@@ -117,7 +117,7 @@ def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:
                 continue
             name = v.name
             if (with_barriers and region is not None and v.dtype is not DType.UNKNOWN
-                    and (v.producer is None or RECOMPUTE_REGION not in v.producer.meta)):
+                    and (v.producer is None or v.producer.recompute_region is None)):
                 key = (region, id(v))
                 if key not in barrier_of:
                     shape = graph.fresh_name(f"{v.name}_rc_shape")

@@ -11,10 +11,11 @@ from onnx import helper, shape_inference
 
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
+from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.report import symbolic_dims
 from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
 
-from .dtypes import DTYPE_ATTRIBUTES, to_ir
+from .dtypes import to_ir
 
 DIM_EXAMPLES_KEY = "remat.dim_examples"
 FORWARD_OUTPUTS_KEY = "remat.forward_outputs"
@@ -63,7 +64,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     examples, forward_outputs = read_metadata(model, label)
     graph.dim_examples.update(examples)
     if forward_outputs is not None:
-        graph.meta["forward_outputs"] = forward_outputs
+        graph.forward_outputs = forward_outputs
     graph.dim_examples.update(_check_dim_examples(graph, dim_examples or {}, label))
     _check_dims_at_examples(graph, label)
     graph.meta["onnx_model"] = model
@@ -304,29 +305,29 @@ _SMALL_INTS = 16
 
 
 def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
-    """A small integer constant (axes, a shape) goes into `meta["ints"]`, so the engine reads
+    """A small integer constant (axes, a shape) goes into `Value.ints`, so the engine reads
     it without ONNX."""
     if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
         array = onnx.numpy_helper.to_array(tensor)
         if array.size <= _SMALL_INTS:
-            v.meta["ints"] = [int(x) for x in array.reshape(-1)]
+            v.ints = [int(x) for x in array.reshape(-1)]
 
 
 def _note_constant_ints(node: Node) -> None:
-    """`meta["ints"]` for a Constant's small integer output, and for the Concat of such
+    """`Value.ints` for a Constant's small integer output, and for the Concat of such
     values (the exporter writes a reshape's target shape as a Concat of one-element constants)."""
     out = node.outputs[0] if node.outputs else None
     if node.op == "Constant":
         if isinstance(node.attrs.get("value"), onnx.TensorProto):
             _note_small_ints(out, node.attrs["value"])
         elif "value_ints" in node.attrs and len(node.attrs["value_ints"]) <= _SMALL_INTS:
-            out.meta["ints"] = [int(x) for x in node.attrs["value_ints"]]
+            out.ints = [int(x) for x in node.attrs["value_ints"]]
         elif "value_int" in node.attrs:
-            out.meta["ints"] = [int(node.attrs["value_int"])]
+            out.ints = [int(node.attrs["value_int"])]
     elif node.op == "Concat" and node.attrs.get("axis") == 0:
-        parts = [v.meta.get("ints") if v is not None else None for v in node.inputs]
+        parts = [v.ints if v is not None else None for v in node.inputs]
         if parts and all(p is not None for p in parts) and sum(map(len, parts)) <= _SMALL_INTS:
-            out.meta["ints"] = [x for p in parts for x in p]
+            out.ints = [x for p in parts for x in p]
 
 
 def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, Value]) -> Graph:
@@ -377,7 +378,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
             defaults_cache[key] = _attribute_defaults(np_.op_type, domain, opsets)
         node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs)
         _note_constant_ints(node)
-        node.meta["attr_defaults"] = defaults_cache[key]
+        node.attr_defaults = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
             node.meta["unnamed_outputs"] = [k for k, n in enumerate(np_.output) if not n]
         nodes.append(node)

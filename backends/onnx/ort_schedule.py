@@ -74,7 +74,7 @@ def fold_output_transposes(graph: Graph) -> int:
         if not attrs:
             continue
         gemm = Node("Gemm", [a, b], [node.outputs[0]], attrs, f"{node.name}_gemm",
-                    meta={"attr_defaults": {}})
+                    )
         graph.nodes[index] = gemm
         removed.update(id(n) for n in drop)
         replaced += 1

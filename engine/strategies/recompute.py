@@ -9,17 +9,16 @@ targets read the clones, which are scheduled just before the first of them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..analysis import Analysis
 from ..ir import Graph, Node, Value
 from ..matcher import Match, MatchContext, Reason
 from ..patterns import Recompute, Save
+from ..plan_type import PlanType
 from ..shapes import Dim, simplify
 
 MAX_REGION_NODES = 64
-RECOMPUTE_REGION = "recompute_region"
-RECOMPUTE_OF = "recompute_of"
 
 
 @dataclass
@@ -38,8 +37,8 @@ class Region:
         return "".join(n.op_type + "+" for n in self.nodes)
 
     @property
-    def plan_type(self) -> int:
-        return 2 if self.new_stash else 1
+    def plan_type(self) -> PlanType:
+        return PlanType.RECOMPUTE_WITH_COMPROMISE if self.new_stash else PlanType.RECOMPUTE
 
     @property
     def net(self) -> Dim:
@@ -202,14 +201,14 @@ class Rewriter:
         for node in region.nodes:
             outputs = []
             for out in node.outputs:
-                clone_out = Value(self.graph.fresh_name(f"{out.name}_rc"), out.dtype,
-                                  out.shape, meta=dict(out.meta))
+                clone_out = replace(out, name=self.graph.fresh_name(f"{out.name}_rc"), producer=None,
+                                    users=[], meta=dict(out.meta))
                 mapping[id(out)] = clone_out
                 outputs.append(clone_out)
             inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
-            clone = Node(node.op, inputs, outputs, dict(node.attrs),
-                         self.graph.fresh_name(f"{node.name}_rc"),
-                         meta={**node.meta, RECOMPUTE_OF: node.name, RECOMPUTE_REGION: self.applied})
+            clone = replace(node, inputs=inputs, outputs=outputs, attrs=dict(node.attrs),
+                            name=self.graph.fresh_name(f"{node.name}_rc"), meta=dict(node.meta),
+                            recompute_of=node.name, recompute_region=self.applied)
             for out in outputs:
                 out.producer = clone
             for v in clone.present_inputs():

@@ -6,7 +6,7 @@ grows from a chunk rule's match (its docstring says how).
 """
 from .grow import grow_chunk, slice_sizes
 from .kinds import CHUNK_KINDS, TYPE_ONLY, DimMap, Refused, dim_map, reshape_map
-from .region import CHUNK_SLICE, ChunkMeta, ChunkPhase, ChunkRegion
+from .region import ChunkMeta, ChunkPhase, ChunkRegion
 
-__all__ = ["CHUNK_KINDS", "CHUNK_SLICE", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
+__all__ = ["CHUNK_KINDS", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
            "Refused", "dim_map", "grow_chunk", "reshape_map", "slice_sizes"]

@@ -36,12 +36,12 @@ import math
 from typing import Any
 
 from ...guards import Unproven, evaluate_expr
-from ...ir import DECOMPOSED_FROM, Graph, Node, Value
+from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate
 from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
-from .region import CHUNK_SLICE, ChunkMeta, ChunkPhase, ChunkRegion
+from .region import ChunkMeta, ChunkPhase, ChunkRegion
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -81,7 +81,7 @@ class _Grower:
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
-        self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.meta.get("tangent")})
+        self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.tangent})
         for name in action.captures:
             v = match.value(name)
             if not isinstance(v, Value):
@@ -112,7 +112,7 @@ class _Grower:
         return out
 
     def kind(self, node: Node) -> str:
-        kind = self.rules.chunkable.get(node.op) or self.rules.chunkable.get(node.meta.get("native_op", ""))
+        kind = self.rules.chunkable.get(node.op) or self.rules.chunkable.get(node.native_op or "")
         if kind is None:
             raise Refused(f"{node.op} {node.name} is not declared chunkable (add it to a "
                           f"`chunkable KIND` line)")
@@ -294,7 +294,7 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count = self.count(action)
-        normalizer = next((op.rpartition("::")[2] for op in (n.meta.get(DECOMPOSED_FROM, n.op) for n in nodes)
+        normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
         return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
                            [n for n in nodes if id(n) in self.elided], phases, normalizer)
@@ -395,7 +395,8 @@ class _Grower:
             raise Refused(f"{what} divides by zero") from None
         except (TypeError, ValueError, OverflowError) as exc:
             raise Refused(f"{what} is not a number of chunks: {exc}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not math.isfinite(value)):
             raise Refused(f"{what} gives {value!r}, not a number of chunks")
         if value < 2:
             raise Refused(f"{what} gives {value} chunk(s): nothing to run slice by slice")
@@ -413,7 +414,7 @@ def slice_sizes(size: Any, count: int) -> list[int]:
 
 def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     action = next(a for a in match.rule.actions if isinstance(a, Chunk))
-    if match.root.meta.get(CHUNK_SLICE):
+    if match.root.chunk_slice:
         return Reason(action.location, f"{match.root.op} {match.root.name} already runs one slice of a "
                                        f"chunk region")
     try:

@@ -73,7 +73,7 @@ def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
     """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
     axes = _int_list(_param(node, "axes"))
     if axes is None and len(inputs) > 1:
-        axes = inputs[1].meta.get("ints")
+        axes = inputs[1].ints
         if axes is None:
             raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
     return axes

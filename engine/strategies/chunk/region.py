@@ -6,10 +6,7 @@ from typing import Any
 
 from ...ir import Node, Value
 from ...matcher import Match
-
-# Set by a backend on the nodes it writes out for one slice: a slice is not chunked again.
-CHUNK_SLICE = "chunk_slice"
-
+from ...plan_type import PlanType
 
 @dataclass(frozen=True)
 class ChunkMeta:
@@ -56,8 +53,8 @@ class ChunkRegion:
         return [o for phase in self.phases for o in phase.outputs]
 
     @property
-    def plan_type(self) -> int:
-        return 3
+    def plan_type(self) -> PlanType:
+        return PlanType.CHUNK
 
     @property
     def targets(self) -> list[Value]:
