@@ -88,16 +88,42 @@ def cmd_check(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from engine.apply import plan
+    from backends.device import profile_for
+    from engine.budget import annotate_costs, choose, pareto
+    from engine.driver import plan_all
     from engine.plans import select
     from engine.report import plan_json, plan_table
 
-    planning = plan(_load(args), _rules(args.rules), args.tier, _forward(args))
-    select(planning.plans, None)
+    graph = _load(args)
+    planning = plan_all(lambda fold: graph, _rules(args.rules), tuple(args.tier), _forward(args))
+    device = profile_for(args.device)
+    annotate_costs(planning, device)
+    choice = None
+    if args.budget is not None:
+        choice = choose(planning, graph, args.budget, device)
+        choice.mark(planning.plans)
+    else:
+        select(planning.plans, None)
+    points = None
+    if args.pareto is not None:
+        from backends.plots import pareto_plot
+
+        points = pareto(planning, graph, device)
+        pareto_plot(points, _writable_file(args.pareto, "--pareto"), graph.name)
     if args.json:
-        print(json.dumps(plan_json(planning), indent=2, default=str))
+        data = plan_json(planning)
+        if choice is not None:
+            data["budget"] = choice.to_json()
+        if points is not None:
+            data["pareto"] = [p.to_json() for p in points]
+        print(json.dumps(data, indent=2, default=str))
     else:
         print(plan_table(planning))
+        if choice is not None:
+            print(f"\n{choice.describe()}")
+        if points is not None:
+            print(f"\nwrote {args.pareto}: {len(points)} budgets from {points[0].budget / 2**20:.1f} "
+                  f"to {points[-1].budget / 2**20:.1f} MiB")
     return 0
 
 
@@ -114,7 +140,13 @@ def cmd_apply(args) -> int:
     if copy_inputs:
         _writable_file(str(inputs_target), "-o (its inputs file)")
     graph = _load(args)
-    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args))
+    device = None
+    if args.budget is not None:
+        from backends.device import profile_for
+
+        device = profile_for(args.device)
+    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args), budget=args.budget,
+                          device=device)
     model = export_model(rewrite.graph)
     check_exported(model)
     _write(output, model.SerializeToString(), "-o")
@@ -246,6 +278,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="enable an opt-in tier of rules, e.g. expensive (softmax, layer norm, matmul)")
 
 
+def _planner(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", metavar="SIZE|FRACTION",
+                   help="the planner chooses the fastest plans whose estimated peak fits: 400MiB, 1.5GiB, "
+                        "or a fraction of the original's estimated peak (0.6)")
+    p.add_argument("--device", default="cpu", metavar="NAME",
+                   help="device profile for the cost model: cpu (measured once, cached), h100, h200, a100")
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line, `remat: error: ...`, exit status 1, like every other bad input."""
 
@@ -261,10 +301,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("analyze", help="the plan table of a training graph")
     _common(p)
+    _planner(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pareto", metavar="OUT.png|OUT.svg",
+                   help="plot estimated peak against estimated extra time over a sweep of budgets")
     p.set_defaults(fn=cmd_analyze)
     p = sub.add_parser("apply", help="rewrite a training graph")
     _common(p)
+    _planner(p)
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--config", help="plan string KEY:TYPE:COUNT[,...], a JSON list, or a .json file")
     p.set_defaults(fn=cmd_apply)

@@ -121,6 +121,11 @@ def child(name: str, args) -> dict:
         fn = torch.compile(model, backend="remat")
     elif name == "remat-expensive":
         fn = torch.compile(model, backend=fx_backend.backend(tiers=["expensive"], config=args.remat_config))
+    elif name.startswith("remat-budget-"):
+        # remat-budget-0.6 (of the estimated peak) or remat-budget-400MiB: the planner chooses.
+        budget = name[len("remat-budget-"):]
+        fn = torch.compile(model, backend=fx_backend.backend(
+            tiers=["expensive"], budget=budget, device="cpu" if device.type == "cpu" else str(device)))
 
     def step() -> torch.Tensor:
         loss = fn(*inputs)

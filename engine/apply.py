@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .analysis import Analysis, analyze, estimate_peak
 from .errors import RuleError
@@ -12,7 +13,7 @@ from .matcher import Match, MatchContext, Reason, match
 from .patterns import RuleSet
 from .plan_type import PlanType
 from .plans import ConfigEntry, Plan, parse_config, select
-from .strategies.chunk import ChunkRegion, grow_chunk
+from .strategies.chunk import ChunkRegion, grow_chunk, slice_sizes
 from .strategies.recompute import Region, Rewriter, StashState, grow
 
 
@@ -100,28 +101,50 @@ class Result:
         return plan_json(self) if as_json else plan_table(self.planning, self)
 
 
+def _configured(plans: list[Plan], entries: list[ConfigEntry] | None, lenient: bool) -> list[tuple[Plan, Any]]:
+    select(plans, entries, lenient)
+    chosen = []
+    for p in plans:
+        if p.requested:
+            regions = p.occurrences if p.requested < 0 else p.occurrences[:p.requested]
+            chosen.extend((p, r) for r in regions)
+    return chosen
+
+
+def _selected(plans: list[Plan], selection: dict[Site, int | None]) -> list[tuple[Plan, Any]]:
+    chosen = []
+    for p in plans:
+        picked = [r for r in p.occurrences if Site(r.match.rule.name, r.match.root.name) in selection]
+        p.requested = len(picked)
+        for r in picked:
+            count = selection[Site(r.match.rule.name, r.match.root.name)]
+            if isinstance(r, ChunkRegion) and count is not None:
+                r.chunks = slice_sizes(sum(r.chunks), count)
+            chosen.append((p, r))
+    return chosen
+
+
 def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
           tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
           lenient: bool = False, strict: bool | None = None,
-          excluded: frozenset[Site] = frozenset()) -> Result:
+          excluded: frozenset[Site] = frozenset(),
+          selection: dict[Site, int | None] | None = None) -> Result:
     """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied, and
     every chunk plan (type 3) is selected. Chunk plans are built by the backend that owns the
     graph (backends.fx.chunk, backends.onnx.chunk): they are returned in `Result.chunks`, not
     rewritten here. `lenient`: config entries naming no plan are skipped (see plans.select).
     An internal error while rewriting one region raises a PlanFailure naming its site (the copy
-    is half edited): `engine.failures.with_fallback` runs the rewrite again without it."""
+    is half edited): `engine.failures.with_fallback` runs the rewrite again without it.
+    `selection` (the budget planner's choice) names the occurrences to apply instead of a
+    config, with each chosen chunk region's slice count."""
     if not isinstance(rules, RuleSet):
         raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
     entries = parse_config(config) if isinstance(config, str) else config
     peak_before = estimate_peak(graph, rules.views).peak_bytes
     work = graph.copy()
     planning = plan(work, rules, tiers, forward_outputs, strict, excluded)
-    select(planning.plans, entries, lenient)
-    chosen: list[tuple[Plan, Region]] = []
-    for p in planning.plans:
-        if p.requested:
-            regions = p.occurrences if p.requested < 0 else p.occurrences[:p.requested]
-            chosen.extend((p, r) for r in regions)
+    chosen = _selected(planning.plans, selection) if selection is not None else _configured(
+        planning.plans, entries, lenient)
     analysis = planning.analysis
     ctx = MatchContext(work, planning.rules, analysis)
     state = StashState.of(analysis)

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .apply import Planning, Result, apply, plan
-from .errors import GraphError, RuleError
+from .errors import ConfigError, GraphError, RuleError
 from .failures import PlanFailure, Site, at_site, resolve_strict, with_fallback
 from .ir import Graph
 from .patterns import RuleSet
 from .plan_type import RECOMPUTE_TYPES, PlanType
 from .plans import ConfigEntry, parse_config, select
 from .strategies.chunk import ChunkRegion
+
+if TYPE_CHECKING:
+    from .budget import Budget, Choice, DeviceProfile
 
 MAX_CHUNK_SITES = 64
 
@@ -60,6 +63,8 @@ class Rewrite:
     chunked: int = 0                        # chunk regions built
     not_built: list[str] = field(default_factory=list)          # planned but not buildable
     failures: list[PlanFailure] = field(default_factory=list)   # internal errors: sites skipped
+    choice: "Choice | None" = None          # the budget planner's, when a budget was given
+    simulated_peak: int | None = None       # of the rewritten graph, when a budget was given
 
     @property
     def graph(self) -> Graph:
@@ -72,6 +77,10 @@ class Rewrite:
             parts.append(f"Built {self.chunked} chunk region(s) as {self.built_as}.")
             parts.extend(f"not built: {f}" for f in self.not_built)
         parts.append(self.result.report())
+        if self.choice is not None:
+            parts.append(self.choice.describe() + (f"; the rewritten graph simulates at "
+                                                   f"{self.simulated_peak / 2**20:.1f} MiB"
+                                                   if self.simulated_peak is not None else ""))
         if self.failures:
             parts.append("Skipped after an internal error (the rest was applied):\n"
                          + "\n".join(f"  {f}" for f in self.failures))
@@ -79,14 +88,15 @@ class Rewrite:
 
 
 def plan_all(current: Callable[[bool], Graph], rules: RuleSet, tiers: tuple[str, ...] = (),
-             forward_outputs: list[str] | None = None, strict: bool | None = None) -> Planning:
+             forward_outputs: list[str] | None = None, strict: bool | None = None,
+             excluded: frozenset[Site] = frozenset()) -> Planning:
     """The plan table of a backend's graph as `rewrite` sees it: chunk plans on the graph op
     by op (`current(False)`), the others with decomposed ops folded (`current(True)`)."""
     check_tiers(rules, tiers)
     chunk_rules, other_rules = rules.of_types({PlanType.CHUNK}), rules.of_types(RECOMPUTE_TYPES)
-    planning = plan(current(True), other_rules, _known(other_rules, tiers), forward_outputs, strict)
+    planning = plan(current(True), other_rules, _known(other_rules, tiers), forward_outputs, strict, excluded)
     if chunk_rules.rules:
-        chunking = plan(current(False), chunk_rules, _known(chunk_rules, tiers), forward_outputs, strict)
+        chunking = plan(current(False), chunk_rules, _known(chunk_rules, tiers), forward_outputs, strict, excluded)
         planning.plans += chunking.plans
         planning.refusals += chunking.refusals
         planning.failures += chunking.failures
@@ -109,10 +119,16 @@ def _known(rules: RuleSet, tiers: tuple[str, ...]) -> tuple[str, ...]:
 def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
             tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
             strict: bool | None = None,
-            on_failure: Callable[[PlanFailure], None] | None = None) -> Rewrite:
+            on_failure: Callable[[PlanFailure], None] | None = None,
+            budget: "Budget | str | float | int | None" = None,
+            device: "DeviceProfile | None" = None) -> Rewrite:
     """Apply `rules` to the builder's graph (see the module docstring). `on_failure` hears of
-    each internal error that made a site be skipped; strict mode raises the first instead."""
+    each internal error that made a site be skipped; strict mode raises the first instead.
+    With a `budget` the planner chooses the plans (engine.budget), not a config; the result
+    is simulated again and the program tightened while it is over the budget."""
     entries = parse_config(config) if isinstance(config, str) else config
+    if budget is not None and entries is not None:
+        raise ConfigError("give a config (the plans by hand) or a budget (the planner chooses), not both")
     tiers = tuple(tiers)
     check_tiers(rules, tiers)
     strict = resolve_strict(strict)
@@ -124,8 +140,10 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
             on_failure(failure)
 
     def attempt(excluded: frozenset[Site]) -> Rewrite:
-        builder.start()
-        return _attempt(builder, rules, entries, tiers, forward_outputs, strict, excluded)
+        if budget is None:
+            builder.start()
+            return _attempt(builder, rules, entries, tiers, forward_outputs, strict, excluded)
+        return _within_budget(builder, rules, budget, device, tiers, forward_outputs, strict, excluded)
 
     done = with_fallback(attempt, strict, failed)
     for failure in (f for r in (done.chunk_result, done.result) if r is not None for f in r.planning.failures):
@@ -134,8 +152,34 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
     return done
 
 
+MAX_TIGHTENINGS = 4
+
+
+def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tuple[str, ...],
+                   forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
+    """Plan with the budget, apply, simulate the rewritten graph; while its estimated peak is
+    over the budget (plans interact: the additive model was optimistic), plan again with the
+    overshoot taken off the budget."""
+    from .budget import choose, memory_curve
+
+    margin, done = 0, None
+    for _ in range(MAX_TIGHTENINGS):
+        builder.start()
+        planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
+        choice = choose(planning, builder.current(False), budget, device, margin)
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
+        done.choice = choice
+        done.simulated_peak = memory_curve(done.result.graph, rules.views).peak
+        over = done.simulated_peak - choice.budget
+        if over <= 0 or not choice.selection:
+            break
+        margin += over
+    return done
+
+
 def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],
-             forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
+             forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site],
+             selection: dict[Site, int | None] | None = None) -> Rewrite:
     if entries is not None:
         # Checked once against the graph as given; the re-plans below skip the plans consumed.
         select(plan_all(builder.current, rules, tiers, forward_outputs, strict).plans, entries)
@@ -147,8 +191,7 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
     unbuildable: set[Site] = set()
     while chunk_rules.rules and chunked < MAX_CHUNK_SITES:
         result = apply(builder.current(fold=False), chunk_rules, chunk_entries, _known(chunk_rules, tiers),
-                       forward_outputs,
-                       lenient=True, strict=strict, excluded=excluded)
+                       forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
         first = first or result
         pending = [r for r in result.chunks if _site(r) not in unbuildable]
         if not pending:
@@ -169,7 +212,7 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
             if p.key == region.key and p.type == PlanType.CHUNK:
                 p.applied += 1
     result = apply(builder.current(fold=True), other_rules, other_entries, _known(other_rules, tiers),
-                   forward_outputs, lenient=True, strict=strict, excluded=excluded)
+                   forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
     builder.finish(result)
     return Rewrite(result, first, builder.built_as, chunked, not_built)
 

@@ -26,6 +26,7 @@ class Plan:
     occurrences: list[Region | ChunkRegion] = field(default_factory=list)
     requested: int = 0          # 0 off, -1 all, N first N
     applied: int = 0
+    extra_seconds: float | None = None   # estimated, every occurrence applied (engine.budget)
 
     @property
     def frequency(self) -> int:

@@ -32,6 +32,7 @@ def _row(plan: Plan, examples: dict[str, int], applied_known: bool) -> dict[str,
         "saving_formula": format_dim(saving),
         "rules": plan.rules,
         "shapes": [{"shape": s, "frequency": n} for s, n in plan.shapes()],
+        "extra_seconds": plan.extra_seconds,
     }
     if plan.type == PlanType.RECOMPUTE_WITH_COMPROMISE:
         kept = plan.kept_fraction()
@@ -96,13 +97,19 @@ def dims_line(planning: "Planning") -> str:
 def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
     examples = planning.graph.dim_examples
     rows = plan_rows(planning, applied_known=result is not None)
+    timed = any(r["extra_seconds"] is not None for r in rows)
+    header = ["Plan", "Type", "Status", "Config", "Freq", "Saved", "Saving (formula)"]
+    if timed:
+        header.insert(6, "Extra time (est.)")
     body = []
     for r in rows:
         saved = format_bytes(r["bytes_saved"])
         if r["type"] == 2 and r.get("fraction_saved") is not None:
             saved += f" ({r['fraction_saved']:.0%} of it)"
-        body.append([r["plan"], str(r["type"]), r["status"], r["config"], str(r["frequency"]),
-                     saved, r["saving_formula"]])
+        row = [r["plan"], str(r["type"]), r["status"], r["config"], str(r["frequency"]), saved, r["saving_formula"]]
+        if timed:
+            row.insert(6, "?" if r["extra_seconds"] is None else f"{r['extra_seconds'] * 1e3:.2f} ms")
+        body.append(row)
     stash = planning.analysis.stashed_bytes()
     lines = [
         f"Stashed activations: {len(planning.analysis.stashed)} values, "
@@ -111,7 +118,7 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
         dims_line(planning),
         "Tiers: default" + "".join(f", {t}" for t in planning.tiers),
         "",
-        _table(["Plan", "Type", "Status", "Config", "Freq", "Saved", "Saving (formula)"], body)
+        _table(header, body)
         if body else "No plans: no rule found a stashed activation it can recompute.",
     ]
     if result is not None:
@@ -124,6 +131,9 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
                          f"{format_bytes(result.peak_before)} -> {format_bytes(result.peak_after)}")
     if planning.refusals:
         lines += ["", f"{len(planning.refusals)} match(es) refused (see `remat explain`)."]
+    if planning.failures:
+        lines += ["", "Skipped after an internal error (the other plans are unaffected):"]
+        lines += [f"  {f}" for f in planning.failures]
     on = [r["config"] for r in rows if r["type"] in (1, 3)]
     if on:
         lines += ["", "The plans on by default (types 1 and 3), as a config: " + ",".join(on)]

@@ -10,12 +10,13 @@ from pathlib import Path
 
 
 def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), report=None,
-            strict: bool | None = None):
+            strict: bool | None = None, budget=None, device=None):
     """A configured torch.compile backend (see backends.fx.compile). `strict` (default: the
-    REMAT_STRICT environment variable): raise remat's internal errors instead of falling back."""
+    REMAT_STRICT environment variable): raise remat's internal errors instead of falling back.
+    `budget`: the planner picks the fastest plans whose estimated peak fits it."""
     from .compile import backend as make_backend
 
-    return make_backend(rules, config, tiers, report, strict)
+    return make_backend(rules, config, tiers, report, strict, budget, device)
 
 
 def joint_graph(model, example_inputs: Sequence):

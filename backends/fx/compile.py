@@ -34,8 +34,12 @@ from engine.driver import Rewrite, rewrite
 from engine.failures import PlanFailure, Site, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
+from engine.budget import Budget, BudgetError, parse_budget
+from engine.errors import ConfigError
 from engine.plans import parse_config
 from engine.strategies.chunk import ChunkRegion
+
+from backends.device import profile_for
 
 from .chunk import apply_chunk
 from .importer import import_fx
@@ -123,9 +127,12 @@ def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
 
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
-                 report: Callable[[str], None] | None = None, strict: bool | None = None):
+                 report: Callable[[str], None] | None = None, strict: bool | None = None,
+                 budget=None, device=None):
         self.rules = rules
         self.config = config
+        self.budget = None if budget is None else parse_budget(budget)
+        self.device = device                      # a DeviceProfile, or a name resolved per graph
         self.tiers = tuple(tiers)
         self.report = report
         self.strict = resolve_strict(strict)
@@ -136,6 +143,8 @@ class RematPass(CustomGraphPass):
         self.failures: list[str] = []            # internal errors, each warned once
         if config is not None:
             parse_config(config)                 # a malformed config is the caller's error, now
+        if config is not None and budget is not None:
+            raise ConfigError("give a config (the plans by hand) or a budget (the planner chooses), not both")
 
     def warn(self, message: str) -> None:
         if message not in self.failures:
@@ -151,8 +160,17 @@ class RematPass(CustomGraphPass):
             return      # a chunk's body: Inductor runs the joint passes on it too
         builder = FxBuilder(graph)
         try:
-            done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                           on_failure=self._skipped)
+            device = None if self.budget is None else profile_for(self.device or _device_of(graph))
+            try:
+                done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                               on_failure=self._skipped, budget=self.budget, device=device)
+            except BudgetError as err:
+                if self.strict:
+                    raise
+                # The user's step still runs: with the plans that reach the lowest peak there is.
+                self.warn(f"remat: {err}; compiling with the plans that reach that lowest peak")
+                done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                               on_failure=self._skipped, budget=Budget(bytes=max(err.lowest, 1)), device=device)
             builder.commit()
         except Exception as err:
             if self.strict:
@@ -179,19 +197,31 @@ class RematPass(CustomGraphPass):
             self.report(done.report())
 
     def uuid(self) -> str:
-        key = f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}"
+        key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
+               f"{self.budget}|{self.device}")
         return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _device_of(graph: fx.Graph) -> str:
+    """`cuda:N` when the joint graph's inputs live on a GPU, else `cpu`."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and getattr(val, "device", None) is not None:
+            return str(val.device) if val.device.type == "cuda" else "cpu"
+    return "cpu"
 
 
 def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
             tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
-            strict: bool | None = None):
+            strict: bool | None = None, budget=None, device=None):
     """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
     the shipped library by default) applied to the joint graph. `strict`
     (default: the REMAT_STRICT environment variable) raises remat's internal errors instead
-    of compiling without the plan, or the graph without remat."""
+    of compiling without the plan, or the graph without remat. `budget` (`"400MiB"`, or a
+    fraction of the estimated peak, `0.6`): the planner chooses the fastest plans that fit,
+    for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are)."""
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    remat_pass = RematPass(ruleset, config, tiers, report, strict)
+    remat_pass = RematPass(ruleset, config, tiers, report, strict, budget, device)
 
     def compile_with_remat(gm: fx.GraphModule, example_inputs):
         import torch._functorch.config as functorch_config
@@ -224,6 +254,15 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     return compile_with_remat
 
 
-def remat_backend(gm: fx.GraphModule, example_inputs):
-    """The registered `remat` backend: the shipped rules, default tier."""
-    return backend()(gm, example_inputs)
+OPTIONS = ("rules", "config", "tiers", "strict", "budget", "device", "report")
+
+
+def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """The registered `remat` backend: the shipped rules, default tier. torch.compile passes its
+    `options` to a registered backend, so `torch.compile(model, backend="remat",
+    options={"budget": "400MiB"})` works; the keys are backend()'s arguments."""
+    options = dict(options or {})
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise ConfigError(f"unknown remat option(s) {', '.join(sorted(unknown))}; options: {', '.join(OPTIONS)}")
+    return backend(**options)(gm, example_inputs)

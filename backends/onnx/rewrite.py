@@ -43,9 +43,12 @@ class OnnxBuilder:
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
                 tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
                 unrolled: bool = False, strict: bool | None = None,
-                on_failure: Callable[[PlanFailure], None] | None = None) -> Rewrite:
+                on_failure: Callable[[PlanFailure], None] | None = None,
+                budget=None, device=None) -> Rewrite:
     """`engine.apply` for ONNX graphs, with the chunk plans built. An internal error refuses the
     plan it happened in and the others are applied (the report lists it); strict mode
-    (`REMAT_STRICT=1`) raises it. `graph` itself is never changed."""
+    (`REMAT_STRICT=1`) raises it. `graph` itself is never changed. With a `budget` (bytes with a
+    unit, or a fraction of the estimated peak) the planner chooses the plans for `device`."""
     strict = resolve_strict(strict)
-    return rewrite(OnnxBuilder(graph, unrolled), rules, config, tiers, forward_outputs, strict, on_failure)
+    return rewrite(OnnxBuilder(graph, unrolled), rules, config, tiers, forward_outputs, strict, on_failure,
+                   budget, device)

@@ -1,0 +1,126 @@
+"""The budget planner against measured peaks, on both backends.
+
+ONNX Runtime (GPT-like, vocab 4096, batch 8 by default): the original's peak is measured, then
+`remat apply --budget` at 0.9x ... 0.4x of it; each rewritten graph's peak is measured in its
+own process and printed beside its budget and the planner's estimate.
+
+torch (`--torch`): bench/torch_step.py runs `activation_memory_budget=0.1`, then remat with a
+budget equal to that configuration's measured peak above rest, and a sweep of fractions of
+remat's own estimate, each in its own processes, interleaved (`--rounds`).
+
+    python bench/budget.py                 # ONNX sweep
+    python bench/budget.py --torch         # and the torch path
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+# Benchmarks run remat strict: an internal error is raised, never hidden by a fallback.
+os.environ.setdefault("REMAT_STRICT", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.device import profile_for  # noqa: E402
+from backends.models import GPTConfig  # noqa: E402
+from backends.onnx.exporter import export_model  # noqa: E402
+from backends.onnx.importer import import_model  # noqa: E402
+from backends.onnx.rewrite import apply_rules  # noqa: E402
+from backends.onnx.runtime import max_relative_error, measure, run  # noqa: E402
+from backends.onnx.torch_export import export_gpt  # noqa: E402
+from dsl.loader import load_rules  # noqa: E402
+from engine.budget import BudgetError, memory_curve  # noqa: E402
+
+FRACTIONS = (0.9, 0.75, 0.6, 0.5, 0.4)
+MIB = 2 ** 20
+
+
+def onnx_sweep(args) -> None:
+    cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
+                    heads=args.heads, seq=args.seq)
+    tmp = Path(tempfile.mkdtemp(prefix="remat-budget-"))
+    path, _ = export_gpt(cfg, tmp / "gpt.onnx")
+    feeds = dict(np.load(path.with_suffix(".inputs.npz")))
+    reference = run(path, feeds)
+    graph = import_model(path)
+    rules = load_rules()
+    device = profile_for("cpu")
+    original = measure(path, feeds, repeats=args.repeats)
+    estimated = memory_curve(graph, rules.views).peak
+    print(f"ONNX Runtime, GPT-like {cfg}")
+    print(f"original: measured {original.peak_mib:.1f} MiB above rest, estimated {estimated / MIB:.1f} MiB, "
+          f"step {original.seconds:.3f} s")
+    print(f"{'budget':>8} {'x meas.':>8} {'estimated':>10} {'measured':>9} {'meas/budget':>12} {'est/meas':>9} "
+          f"{'step s':>7} {'/orig':>6} {'rel err':>8}  plans")
+    last = None
+    worst, monotone = 0.0, True
+    for fraction in FRACTIONS:
+        budget = int(fraction * original.peak_above_rest)
+        try:
+            rewrite = apply_rules(graph, rules, tiers=["expensive"], budget=budget, device=device)
+        except BudgetError as err:
+            print(f"{budget / MIB:>8.1f} {fraction:>8.2f}  unreachable: lowest estimated {err.lowest / MIB:.1f} MiB")
+            continue
+        model = export_model(rewrite.graph)
+        m = measure(model, feeds, repeats=args.repeats)
+        err = max_relative_error(run(model, feeds), reference)[0]
+        sim = rewrite.simulated_peak
+        ratio = m.peak_above_rest / budget
+        worst = max(worst, ratio)
+        if last is not None and m.peak_above_rest > last * 1.005:
+            monotone = False
+        last = m.peak_above_rest
+        print(f"{budget / MIB:>8.1f} {fraction:>8.2f} {sim / MIB:>10.1f} {m.peak_mib:>9.1f} {ratio:>12.3f} "
+              f"{sim / max(m.peak_above_rest, 1):>9.3f} {m.seconds:>7.3f} {m.seconds / original.seconds:>6.2f} "
+              f"{err:>8.1e}  {len(rewrite.choice.selection)} chosen, {rewrite.chunked} chunked")
+    print(f"measured peaks non-increasing as the budget falls: {monotone}")
+    print("largest measured peak / budget:")
+    print(f"{worst:.3f}")
+
+
+def torch_sweep(args) -> None:
+    common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={args.layers}",
+              f"--d-model={args.d_model}", f"--heads={args.heads}", f"--seq={args.seq}",
+              f"--repeats={args.repeats}"]
+    step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
+    probe = subprocess.run(step + ["--configs", "compile", "budget-0.1"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=args.timeout)
+    print(probe.stdout)
+    anchor = next((line.split() for line in probe.stdout.splitlines() if line.startswith("budget-0.1")), None)
+    if anchor is None:
+        print(f"budget-0.1 failed:\n{probe.stderr[-2000:]}")
+        return
+    rest, peak = float(anchor[1]), float(anchor[2])
+    budget = f"{peak - rest:.0f}MiB"
+    print(f"activation_memory_budget=0.1 peaks {peak - rest:.1f} MiB above rest: remat gets {budget}")
+    configs = ["compile", "budget-0.1", f"remat-budget-{budget}", *(f"remat-budget-{f}" for f in FRACTIONS)]
+    sweep = subprocess.run(step + ["--rounds", str(args.rounds), "--configs", *configs], capture_output=True,
+                           text=True, cwd=ROOT, timeout=args.timeout * 4)
+    print(sweep.stdout)
+    if sweep.returncode:
+        print(sweep.stderr[-2000:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for flag, default in (("vocab", 4096), ("batch", 8), ("layers", 4), ("d-model", 256), ("heads", 4),
+                          ("seq", 512), ("repeats", 2), ("rounds", 3), ("timeout", 1800)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--torch", action="store_true", help="also the torch path (slow: many compiles)")
+    ap.add_argument("--skip-onnx", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_onnx:
+        onnx_sweep(args)
+    if args.torch:
+        torch_sweep(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The budget planner: of every plan the rules offer, the set with the least estimated extra
+time whose estimated peak fits a memory budget.
+
+- `effects`: the memory curve of the schedule and what each plan does to it;
+- `cost`: each plan's extra time, from per-op FLOPs and bytes and a device profile;
+- `solve`: the mixed-integer program (HiGHS);
+- `device`, `spec`: device profiles and budgets as users write them.
+
+`choose` returns a `Choice`: which sites to apply (a chunk region with its slice count).
+`engine.rewrite(..., budget=...)` applies it and re-simulates the result, tightening the
+program when the additive model was optimistic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..analysis import analyze
+from ..apply import Planning
+from ..errors import RematError
+from ..failures import Site
+from ..ir import Graph
+from ..plan_type import PlanType
+from ..strategies.chunk import ChunkRegion
+from .cost import chunk_seconds, recompute_seconds
+from .device import PRESETS, DeviceProfile, preset
+from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
+from .solve import Option, lowest_peak, solve
+from .spec import Budget, parse_budget
+
+__all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
+           "choose", "memory_curve", "pareto", "parse_budget", "preset"]
+
+SLICE_MENU = (2, 4, 8, 16, 32, 64)
+
+
+class BudgetError(RematError):
+    """The budget cannot be met by any set of plans; names the lowest peak they reach."""
+
+    def __init__(self, budget: int, lowest: int, original: int):
+        self.budget, self.lowest, self.original = budget, lowest, original
+        super().__init__(f"a peak of {budget / 2**20:.1f} MiB cannot be reached: the lowest estimated peak "
+                         f"the rules reach is {lowest / 2**20:.1f} MiB ({lowest / max(original, 1):.2f}x the "
+                         f"original's {original / 2**20:.1f} MiB); raise the budget, enable a tier "
+                         f"(--tier expensive), or add rules")
+
+
+@dataclass
+class Choice:
+    """The planner's answer: the sites to apply and, for chunk regions, their slice counts."""
+
+    budget: int                          # bytes
+    original_peak: int                   # estimated, bytes
+    estimated_peak: int                  # of the chosen set, by the additive model
+    extra_seconds: float
+    selection: dict[Site, int | None] = field(default_factory=dict)
+    options: list[Option] = field(default_factory=list)
+
+    def mark(self, plans) -> None:
+        """Set each plan's requested count to the occurrences chosen, for the plan table."""
+        for plan in plans:
+            plan.requested = sum(1 for r in plan.occurrences if site_of(r) in self.selection)
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget, "original_peak_bytes": self.original_peak,
+                "estimated_peak_bytes": self.estimated_peak, "extra_seconds": self.extra_seconds,
+                "chosen": [{"rule": s.rule, "node": s.node, "slices": k} for s, k in self.selection.items()]}
+
+    def describe(self) -> str:
+        return (f"Budget {self.budget / 2**20:.1f} MiB: estimated peak {self.original_peak / 2**20:.1f} -> "
+                f"{self.estimated_peak / 2**20:.1f} MiB, estimated extra time {self.extra_seconds * 1e3:.2f} ms, "
+                f"{len(self.selection)} plan occurrence(s) chosen")
+
+
+def site_of(region) -> Site:
+    return Site(region.match.rule.name, region.match.root.name)
+
+
+def menu(region: ChunkRegion) -> list[int]:
+    """Slice counts to choose from: the rule's own, and powers of two up to the sliced size."""
+    size = sum(region.chunks)
+    counts = {len(region.chunks), *(k for k in SLICE_MENU if k <= size)}
+    return sorted(k for k in counts if 2 <= k <= size)
+
+
+def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tuple[list[Option], list]:
+    """Every plan occurrence as an option (chunk regions once per slice count), and the pairs
+    of sites that cannot both apply (a recompute of a value a chunk region computes)."""
+    rules = planning.rules
+    examples = curve.graph.dim_examples
+    analysis = analyze(curve.graph, curve.graph.forward_outputs)
+    views = rules.views
+    options: list[Option] = []
+    chunk_values: dict[Site, set[str]] = {}
+    for plan in planning.plans:
+        for region in plan.occurrences:
+            site = site_of(region)
+            if plan.type == PlanType.CHUNK:
+                chunk_values[site] = chunk_value_names(region)
+                for k in menu(region):
+                    effect = chunk_effect(region, k, curve, analysis, views)
+                    if effect:
+                        options.append(Option((site, k), site, chunk_seconds(region, k, rules, examples, device),
+                                              effect))
+            else:
+                effect = recompute_effect(region, curve, analysis, views)
+                if effect:
+                    options.append(Option((site, None), site, recompute_seconds(region, rules, examples, device),
+                                          effect))
+    conflicts = []
+    for plan in planning.plans:
+        if plan.type == PlanType.CHUNK:
+            continue
+        for region in plan.occurrences:
+            names = {t.name for t in region.targets}
+            conflicts += [(site_of(region), chunk) for chunk, values in chunk_values.items() if names & values]
+    return options, conflicts
+
+
+def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
+           device: DeviceProfile | None = None, margin: int = 0) -> Choice:
+    """The cheapest set of `planning`'s plans whose estimated peak on `graph` (the graph the
+    chunk plans were found on) is within `budget` less `margin` bytes. BudgetError when none is."""
+    device = device or PRESETS["cpu-default"]
+    budget = parse_budget(budget)
+    curve = memory_curve(graph, planning.rules.views)
+    limit = budget.limit(curve.peak)
+    options, conflicts = options_for(planning, curve, device)
+    chosen = solve(curve.live, options, limit - margin, conflicts)
+    if chosen is None:
+        raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak)
+    live = list(curve.live)
+    for option in chosen:
+        for first, last, delta in option.effect:
+            for s in range(first, last + 1):
+                live[s] += delta
+    return Choice(limit, curve.peak, max(live, default=0), sum(o.seconds for o in chosen),
+                  {o.key[0]: o.key[1] for o in chosen}, chosen)
+
+
+def annotate_costs(planning: Planning, device: DeviceProfile) -> None:
+    """Each plan's estimated extra time, all occurrences applied (chunk regions at the rule's
+    slice count), for the plan table."""
+    rules, examples = planning.rules, planning.graph.dim_examples
+    for plan in planning.plans:
+        plan.extra_seconds = sum(
+            chunk_seconds(r, len(r.chunks), rules, examples, device) if isinstance(r, ChunkRegion)
+            else recompute_seconds(r, rules, examples, device) for r in plan.occurrences)
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    budget: int
+    estimated_peak: int
+    extra_seconds: float
+    original_peak: int
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget, "estimated_peak_bytes": self.estimated_peak,
+                "extra_seconds": self.extra_seconds, "original_peak_bytes": self.original_peak}
+
+
+def pareto(planning: Planning, graph: Graph, device: DeviceProfile, steps: int = 12) -> list[ParetoPoint]:
+    """The planner's choice over budgets from the original peak down to the lowest reachable one."""
+    curve = memory_curve(graph, planning.rules.views)
+    options, conflicts = options_for(planning, curve, device)
+    low = lowest_peak(curve.live, options, conflicts)
+    points = []
+    for k in range(steps):
+        limit = int(curve.peak - (curve.peak - low) * k / (steps - 1))
+        chosen = solve(curve.live, options, limit, conflicts)
+        if chosen is None:
+            continue
+        live = list(curve.live)
+        for option in chosen:
+            for first, last, delta in option.effect:
+                for s in range(first, last + 1):
+                    live[s] += delta
+        points.append(ParetoPoint(limit, max(live, default=0), sum(o.seconds for o in chosen), curve.peak))
+    return points

@@ -1,0 +1,224 @@
+"""The budget planner: the cheapest plans whose estimated peak fits, solved by HiGHS."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from backends.onnx.exporter import export_model
+from backends.onnx.importer import import_model
+from backends.onnx.rewrite import apply_rules
+from backends.onnx.runtime import max_relative_error, run
+from dsl.loader import load_rules
+from engine.budget import BudgetError, choose, memory_curve, parse_budget, preset
+from engine.budget.solve import Option, lowest_peak, solve
+from engine.driver import plan_all
+from engine.errors import ConfigError
+from training_graphs import ACTIVATIONS, Layer, build_mlp
+
+RULES = load_rules()
+DEVICE = preset("cpu-default")
+
+
+@pytest.mark.parametrize("text, want", [
+    ("400MiB", 400 * 2**20), ("1.5 GiB", int(1.5 * 2**30)), ("2GB", 2 * 10**9), ("123456789", 123456789),
+])
+def test_budgets_in_bytes(text, want):
+    assert parse_budget(text).bytes == want
+
+
+def test_budgets_as_fractions_and_bad_budgets():
+    assert parse_budget("0.6").fraction == 0.6 and parse_budget(0.25).fraction == 0.25
+    for bad in ("", "0", "-1", "1.5", "abc", "12 parsecs", "nanMiB", "1e40GiB", True):
+        with pytest.raises(ConfigError, match="budget"):
+            parse_budget(bad)
+
+
+def _random_options(draw_ints, n_steps: int, n_options: int) -> tuple[list[int], list[Option]]:
+    live = draw_ints[:n_steps]
+    options = []
+    rest = draw_ints[n_steps:]
+    for j in range(n_options):
+        a, b, size, secs = rest[4 * j: 4 * j + 4]
+        first, last = sorted((a % n_steps, b % n_steps))
+        options.append(Option(j, j // 2 if j % 3 == 0 else f"solo{j}", secs % 7 + 1,
+                              [(first, last, -(size % 50))]))
+    return live, options
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=40, max_size=40), st.integers(20, 220))
+def test_the_solver_finds_the_brute_force_optimum(ints, budget):
+    live, options = _random_options(ints, 8, 6)
+    best = None
+    for picks in itertools.product([0, 1], repeat=len(options)):
+        chosen = [o for o, p in zip(options, picks) if p]
+        groups = [o.group for o in chosen]
+        if len(groups) != len(set(groups)):
+            continue
+        curve = list(live)
+        for o in chosen:
+            for first, last, delta in o.effect:
+                for s in range(first, last + 1):
+                    curve[s] += delta
+        if max(curve) <= budget:
+            cost = sum(o.seconds for o in chosen)
+            best = cost if best is None else min(best, cost)
+    got = solve(live, options, budget)
+    if best is None:
+        assert got is None
+        assert lowest_peak(live, options) > budget
+    else:
+        assert got is not None and sum(o.seconds for o in got) == pytest.approx(best)
+
+
+def _mlp(widths, activations, seed):
+    layers = [Layer(w, a) for w, a in zip(widths, activations)]
+    model, feeds = build_mlp(64, layers, examples={"batch": 8, "seq": 64}, seed=seed)
+    return model, feeds, import_model(model)
+
+
+@settings(max_examples=8, deadline=None)
+@given(widths=st.lists(st.sampled_from([128, 256, 512]), min_size=2, max_size=4),
+       activations=st.lists(st.sampled_from([a for a in ACTIVATIONS if a != "Softmax"]), min_size=4, max_size=4),
+       fraction=st.floats(0.3, 1.0), seed=st.integers(0, 3))
+def test_the_chosen_plans_fit_the_budget_and_keep_the_numbers(widths, activations, fraction, seed):
+    model, feeds, graph = _mlp(widths, activations, seed)
+    original = memory_curve(graph, RULES.views).peak
+    try:
+        rewrite = apply_rules(graph, RULES, tiers=["expensive"], budget=fraction, device=DEVICE)
+    except BudgetError as err:
+        assert err.lowest > err.budget and err.original == original
+        return
+    assert rewrite.choice.estimated_peak <= rewrite.choice.budget
+    assert rewrite.simulated_peak <= rewrite.choice.budget
+    got = run(export_model(rewrite.graph), feeds)
+    assert max_relative_error(got, run(model, feeds))[0] <= 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=56, max_size=56))
+def test_a_lower_budget_never_gives_a_higher_estimated_peak_than_a_cheaper_choice(ints):
+    """At a lower budget the cheapest set is feasible for the higher one too, so the higher
+    budget's choice is at most as costly; its peak is higher unless the two cost the same."""
+    live, options = _random_options(ints, 8, 12)
+    last = None
+    for budget in range(max(live), -1, -15):
+        chosen = solve(live, options, budget)
+        if chosen is None:
+            break
+        curve = list(live)
+        for o in chosen:
+            for first, end, delta in o.effect:
+                for s in range(first, end + 1):
+                    curve[s] += delta
+        peak, cost = max(curve), sum(o.seconds for o in chosen)
+        assert peak <= budget
+        if last is not None:
+            assert cost >= last[1] - 1e-6
+            assert peak <= last[0] or cost == pytest.approx(last[1])
+        last = (peak, cost)
+
+
+def test_a_sweep_of_budgets_on_a_graph():
+    _, _, graph = _mlp([512, 512, 512, 512], ["Gelu", "Tanh", "Sigmoid", "Gelu"], 0)
+    planning = plan_all(lambda fold: graph, RULES, ("expensive",))
+    peaks, times = [], []
+    for fraction in (1.0, 0.97, 0.94, 0.91, 0.89):
+        try:
+            choice = choose(planning, graph, fraction, DEVICE)
+        except BudgetError:
+            break
+        peaks.append(choice.estimated_peak)
+        times.append(choice.extra_seconds)
+    assert len(peaks) >= 3
+    assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
+    assert all(b >= a for a, b in zip(times, times[1:])), times
+
+
+def test_an_unreachable_budget_names_the_lowest_peak():
+    _, _, graph = _mlp([256, 256], ["Gelu", "Relu"], 0)
+    with pytest.raises(BudgetError, match=r"cannot be reached: the lowest estimated peak the rules reach is "
+                                          r"[0-9.]+ MiB"):
+        apply_rules(graph, RULES, budget="1KiB", device=DEVICE)
+
+
+def test_a_budget_and_a_config_together_are_refused():
+    _, _, graph = _mlp([256, 256], ["Gelu", "Relu"], 0)
+    with pytest.raises(ConfigError, match="not both"):
+        apply_rules(graph, RULES, config="Gelu+:1:-1", budget=0.5, device=DEVICE)
+
+
+def test_the_cli_plans_to_a_budget_and_shows_costs(tmp_path, capsys):
+    from backends.cli import main
+
+    import onnx
+
+    model, feeds, _ = _mlp([512, 512, 512, 512], ["Gelu", "Tanh", "Sigmoid", "Gelu"], 0)
+    path = tmp_path / "m.onnx"
+
+    onnx.save(model, str(path))
+    np.savez(path.with_suffix(".inputs.npz"), **feeds)
+    assert main(["analyze", str(path), "--budget", "0.92", "--device", "cpu-default"]) == 0
+    out = capsys.readouterr().out
+    assert "Extra time (est.)" in out and "Budget " in out and " ms" in out
+    assert main(["apply", str(path), "-o", str(tmp_path / "r.onnx"), "--budget", "0.92",
+                 "--device", "cpu-default"]) == 0
+    assert "the rewritten graph simulates at" in capsys.readouterr().out
+    assert main(["apply", str(path), "-o", str(tmp_path / "r.onnx"), "--budget", "1KiB",
+                 "--device", "cpu-default"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lowest estimated peak" in err
+
+
+def test_pareto_writes_a_picture_and_json(tmp_path, capsys):
+    import json
+
+    import onnx
+
+    from backends.cli import main
+
+    model, _, _ = _mlp([512, 512, 512, 512], ["Gelu", "Tanh", "Sigmoid", "Gelu"], 0)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    picture = tmp_path / "pareto.png"
+    assert main(["analyze", str(path), "--pareto", str(picture), "--json", "--device", "cpu-default"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    points = data["pareto"]
+    assert len(points) >= 2 and picture.stat().st_size > 1000
+    assert points[0]["estimated_peak_bytes"] >= points[-1]["estimated_peak_bytes"]
+
+
+def test_torch_compile_options_reach_the_planner(fresh_compiles):
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from backends.fx.saved import relative_error, training_step
+    from backends.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([256, 1024, 1024, 64], "gelu")
+    inputs = (torch.randn(256, 256), torch.randn(256, 64))
+    want_loss, want_grads, _ = training_step(model, model, inputs)
+    reports = []
+    compiled = torch.compile(model, backend="remat", options={"budget": "1KiB", "device": "cpu-default",
+                                                              "report": reports.append, "strict": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads, _ = training_step(model, compiled, inputs)
+    # 1 KiB cannot be met: the step runs with the plans that reach the lowest peak, and says so.
+    [message] = [str(w.message) for w in caught if str(w.message).startswith("remat:")]
+    assert "cannot be reached" in message and "lowest peak" in message
+    assert any("Budget " in r and "the rewritten graph simulates at" in r for r in reports), reports
+    assert relative_error(loss, want_loss) <= 1e-5
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-5
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cannot be reached"):      # strict: the budget error is raised
+        training_step(model, torch.compile(model, backend="remat", options={"budget": "1KiB", "strict": True,
+                                                                            "device": "cpu-default"}), inputs)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown remat option"):
+        training_step(model, torch.compile(model, backend="remat", options={"budjet": 0.9}), inputs)
