@@ -155,6 +155,20 @@ class ChunkAction:
 
 
 @dataclass
+class CostDecl:
+    """`cost y = MatMul(a, b) flops 2 * numel(y) * dim(a, -1) bytes ...`: what an op costs, from
+    its values. `pattern` is parsed as a match pattern; the compiler takes captures, `_` and a
+    variadic tail only."""
+
+    targets: list[Target]
+    pattern: NodePat
+    flops: Expr
+    bytes: Expr | None
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
 class RuleDecl:
     name: str
     loc: SourceLocation
@@ -172,4 +186,5 @@ class RuleFile:
     uses: list[Use] = field(default_factory=list)
     families: list[FamilyDecl] = field(default_factory=list)
     op_decls: list[OpDecl] = field(default_factory=list)
+    costs: list[CostDecl] = field(default_factory=list)
     rules: list[RuleDecl] = field(default_factory=list)

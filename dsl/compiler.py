@@ -1,5 +1,10 @@
 """AST -> engine.patterns, with the semantic checks.
 
+Rules become engine.patterns.Rule; op facts (families, views, recomputable, chunkable, ...)
+and `cost` declarations become the RuleSet's tables (costs: engine.patterns.CostFormula, one
+per op name; a later file's declaration overrides an earlier file's, two in one file are an
+error).
+
 Every problem becomes a Diagnostic with its file:line:col; all of a file's
 problems are reported together. Names that are close to a known one get a
 "did you mean". Beyond names, a rule is refused when it could never do what it
@@ -17,13 +22,13 @@ from engine.dtypes import DType, dtype_names
 from engine.errors import RuleError, SourceLocation
 from engine.guards import BUILTINS, CONSTANTS, SIZE_UNITS
 from engine.onnx_ops import ONNX_OPS
+from engine.op_cost import COST_BUILTINS
 from engine.strategies.chunk import CHUNK_KINDS
 
 from . import ast
 from .errors import Diagnostic, did_you_mean
-from .limits import (MAX_CHUNK_DIM, MAX_EXPR_DEPTH, MAX_LITERAL, MAX_PATTERN_DEPTH, MAX_PATTERN_NODES,
-                     expr_too_deep, pattern_shape)
-from .schemas import Signature, check_signatures, declare_signature, onnx_signature, op_name
+from .limits import MAX_CHUNK_DIM, MAX_EXPR_DEPTH, MAX_LITERAL, MAX_PATTERN_DEPTH, expr_too_deep, pattern_shape
+from .schemas import Report, Signature, check_signatures, declare_signature, onnx_signature, op_name
 from .typecheck import ANY, BOOL, NUMBER, VALUE, VARIADIC, TypeChecker
 
 KNOWN_DOMAINS = {"com.microsoft", "aten", "prims", "ai.onnx.ml", "ai.onnx.preview.training",
@@ -52,6 +57,7 @@ class Compiler:
         self.scope = Scope()
         self.diagnostics: list[Diagnostic] = []
         self.rules: list[P.Rule] = []
+        self.costs: dict[str, P.CostFormula] = {}
         self._family_ops: dict[str, frozenset[str]] = {}
 
     def error(self, message: str, loc: SourceLocation, hint: str = "") -> None:
@@ -146,6 +152,34 @@ class Compiler:
                            "`domain::Name` (aten::gelu, com.microsoft::BiasGelu), or declared with `op`")
         return frozenset(out)
 
+    # costs -----------------------------------------------------------------------
+    def compile_costs(self, file: ast.RuleFile, file_order: int) -> None:
+        """`cost` declarations: one formula per op name. A declaration in a later file (in load
+        order: a module before the files that `use` it) overrides an earlier file's for every op
+        it names; two declarations in one file for one op are an error."""
+        for decl in file.costs:
+            formula = _CostCompiler(self, decl, file_order).compile()
+            if formula is None:
+                continue
+            for op in sorted(formula.ops):
+                prev = self.costs.get(op)
+                if prev is not None and prev.location.file == decl.loc.file:
+                    self.error(f"the cost of {op!r} is declared twice in this file (first at {prev.location})",
+                               self._ref_naming(decl.pattern.ops, op),
+                               "a file declares one cost per op (a later file may override it)")
+                    continue
+                self.costs[op] = formula
+
+    def _ref_naming(self, refs: list[ast.OpRef], op: str) -> SourceLocation:
+        """Where `refs` name `op`: the ref itself, or the family that stands for it."""
+        for ref in refs:
+            if op_name(ref.name) == op:
+                return ref.loc
+        for ref in refs:
+            if op in self._family_ops.get(ref.name, ()):
+                return ref.loc
+        return refs[0].loc
+
     # rules -----------------------------------------------------------------------
     def compile_rules(self, file: ast.RuleFile) -> None:
         for decl in file.rules:
@@ -215,7 +249,7 @@ class _RuleCompiler:
                        "a rule matches one connected pattern: use the captured value as an input "
                        "of another statement, or move it to its own rule")
             return None
-        if not self._pattern_within_limits(roots[0]):
+        if not self._pattern_within_limits():
             return None
         root = self._build(roots[0])
         self._check_capture_kinds()
@@ -239,20 +273,17 @@ class _RuleCompiler:
                       decl.tier or P.DEFAULT_TIER)
 
     # patterns ---------------------------------------------------------------------
-    def _pattern_within_limits(self, root: int) -> bool:
+    def _pattern_within_limits(self) -> bool:
         """Patterns nest through nested ops and through captured outputs of other statements;
-        the matcher walks them recursively, so their depth and expanded size are bounded."""
+        the matcher walks them recursively, so their depth is bounded. (Their size is not: a
+        statement read by several inputs is one shared pattern, built once here and matched
+        once per node by engine.matcher.)"""
         producers = {name: index for name, (index, _, _) in self.defined.items()}
-        _, size, where = pattern_shape(self.decl, producers)
+        _, where = pattern_shape(self.decl, producers)
         if where is not None:
             self.error(f"pattern nested too deeply (limit {MAX_PATTERN_DEPTH}), counting the statements "
                        f"whose captured outputs it reads", where.loc,
                        "split the rule, or match fewer ops in one pattern")
-            return False
-        if size > MAX_PATTERN_NODES:
-            self.error(f"the pattern has more than {MAX_PATTERN_NODES} ops once each use of a statement's "
-                       f"captures counts its ops again", self.decl.bindings[root].loc,
-                       "use each captured output in fewer places")
             return False
         return True
 
@@ -380,12 +411,7 @@ class _RuleCompiler:
 
     # expressions ------------------------------------------------------------------
     def _checked_expr(self, expr: ast.Expr, captures: set[str]) -> P.Expr | None:
-        deep = expr_too_deep(expr)
-        if deep is not None:
-            self.error(f"expression nested too deeply (limit {MAX_EXPR_DEPTH})", deep.loc,
-                       "split it into several `require` lines or simpler expressions")
-            return None
-        return self._expr(expr, captures)
+        return compile_expr(expr, captures, self.error)
 
     def _guard_type(self, expr: P.Expr, checker: TypeChecker) -> bool:
         """Whether a guard is a condition that can hold; errors for the rest. (ANY without an
@@ -401,68 +427,6 @@ class _RuleCompiler:
             self.error(f"`{expr.text}` is always false, so the rule never fires", expr.location)
             return False
         return True
-
-    def _expr(self, expr: ast.Expr, captures: set[str]) -> P.Expr | None:
-        kind = expr.kind
-        if kind == "number":
-            value = expr.value
-            if expr.unit is not None:
-                unit, loc = expr.unit
-                if unit not in SIZE_UNITS:
-                    self.error(f"unknown size unit {unit!r}", loc,
-                               did_you_mean(unit, SIZE_UNITS) or f"units: {', '.join(SIZE_UNITS)}")
-                    return None
-                value = value * SIZE_UNITS[unit]
-                value = int(value) if float(value).is_integer() else value
-                if abs(value) >= MAX_LITERAL:
-                    self.error(f"`{expr.text}` is out of range", expr.loc,
-                               "numbers lie strictly between -2**63 and 2**63")
-                    return None
-            return P.Expr("num", expr.loc, value, text=expr.text)
-        if kind == "string":
-            return P.Expr("str", expr.loc, expr.value, text=expr.text)
-        if kind == "name":
-            name = expr.value
-            if name in captures:
-                return P.Expr("ref", expr.loc, name, text=expr.text)
-            if name in CONSTANTS:
-                return P.Expr("bool", expr.loc, CONSTANTS[name], text=expr.text)
-            try:
-                return P.Expr("dtype", expr.loc, DType.from_name(name), text=expr.text)
-            except ValueError:
-                pass
-            self.error(f"unknown name {name!r}", expr.loc,
-                       did_you_mean(name, captures | set(dtype_names()) | set(CONSTANTS))
-                       or f"the rule's captures are: {', '.join(sorted(captures)) or 'none'}")
-            return None
-        if kind == "call":
-            fn = BUILTINS.get(expr.value)
-            if fn is None:
-                self.error(f"unknown function {expr.value!r}", expr.loc,
-                           did_you_mean(expr.value, BUILTINS) or f"functions: {', '.join(sorted(BUILTINS))}")
-                return None
-            lo, hi = fn.arity
-            if not lo <= len(expr.args) <= hi:
-                want = str(lo) if lo == hi else f"{lo} to {hi}"
-                self.error(f"{expr.value}() takes {want} argument{'s' if hi > 1 else ''}, "
-                           f"got {len(expr.args)}", expr.loc)
-                return None
-            if fn.takes_values and expr.args[0].kind != "name":
-                self.error(f"{expr.value}() takes a captured value as its first argument",
-                           expr.args[0].loc)
-                return None
-            args = [self._expr(a, captures) for a in expr.args]
-            if any(a is None for a in args):
-                return None
-            if fn.takes_values and args[0].kind != "ref":
-                self.error(f"{expr.value}() takes a captured value, not {expr.args[0].text!r}",
-                           expr.args[0].loc, did_you_mean(expr.args[0].value, captures))
-                return None
-            return P.Expr("call", expr.loc, expr.value, args, expr.text)
-        args = [self._expr(a, captures) for a in expr.args]
-        if any(a is None for a in args):
-            return None
-        return P.Expr(kind, expr.loc, expr.value, args, expr.text)
 
     # actions ----------------------------------------------------------------------
     def _actions(self, captures: set[str], checker: TypeChecker, ranks: dict[str, int]) -> list[P.Action]:
@@ -536,6 +500,165 @@ class _RuleCompiler:
         if not ok:
             return None
         return P.Chunk([n for n, _ in action.names], action.dim, count, action.loc)
+
+
+def compile_expr(expr: ast.Expr, captures: set[str], error: Report,
+                 functions: frozenset[str] | None = None) -> P.Expr | None:
+    """A guard, chunk-count or cost expression, names resolved and built-ins checked (`functions`:
+    the built-ins it may call, None for all); None after an error. Depth is checked first."""
+    deep = expr_too_deep(expr)
+    if deep is not None:
+        error(f"expression nested too deeply (limit {MAX_EXPR_DEPTH})", deep.loc,
+              "split it into several `require` lines or simpler expressions")
+        return None
+    return _expr(expr, captures, error, functions)
+
+
+def _expr(expr: ast.Expr, captures: set[str], error: Report,
+          functions: frozenset[str] | None) -> P.Expr | None:
+    kind = expr.kind
+    if kind == "number":
+        value = expr.value
+        if expr.unit is not None:
+            unit, loc = expr.unit
+            if unit not in SIZE_UNITS:
+                error(f"unknown size unit {unit!r}", loc,
+                      did_you_mean(unit, SIZE_UNITS) or f"units: {', '.join(SIZE_UNITS)}")
+                return None
+            value = value * SIZE_UNITS[unit]
+            value = int(value) if float(value).is_integer() else value
+            if abs(value) >= MAX_LITERAL:
+                error(f"`{expr.text}` is out of range", expr.loc,
+                      "numbers lie strictly between -2**63 and 2**63")
+                return None
+        return P.Expr("num", expr.loc, value, text=expr.text)
+    if kind == "string":
+        return P.Expr("str", expr.loc, expr.value, text=expr.text)
+    if kind == "name":
+        name = expr.value
+        if name in captures:
+            return P.Expr("ref", expr.loc, name, text=expr.text)
+        if name in CONSTANTS:
+            return P.Expr("bool", expr.loc, CONSTANTS[name], text=expr.text)
+        try:
+            return P.Expr("dtype", expr.loc, DType.from_name(name), text=expr.text)
+        except ValueError:
+            pass
+        error(f"unknown name {name!r}", expr.loc,
+              did_you_mean(name, captures | set(dtype_names()) | set(CONSTANTS))
+              or f"the captures are: {', '.join(sorted(captures)) or 'none'}")
+        return None
+    if kind == "call":
+        fn = BUILTINS.get(expr.value)
+        if fn is not None and functions is not None and expr.value not in functions:
+            error(f"{expr.value}() reads the graph around the op; a cost formula reads only the op's "
+                  f"own values", expr.loc, f"a cost formula may call: {', '.join(sorted(functions))}")
+            return None
+        if fn is None:
+            known = BUILTINS if functions is None else functions
+            error(f"unknown function {expr.value!r}", expr.loc,
+                  did_you_mean(expr.value, known) or f"functions: {', '.join(sorted(known))}")
+            return None
+        lo, hi = fn.arity
+        if not lo <= len(expr.args) <= hi:
+            want = str(lo) if lo == hi else f"{lo} to {hi}"
+            error(f"{expr.value}() takes {want} argument{'s' if hi > 1 else ''}, "
+                  f"got {len(expr.args)}", expr.loc)
+            return None
+        if fn.takes_values and expr.args[0].kind != "name":
+            error(f"{expr.value}() takes a captured value as its first argument",
+                  expr.args[0].loc)
+            return None
+        args = [_expr(a, captures, error, functions) for a in expr.args]
+        if any(a is None for a in args):
+            return None
+        if fn.takes_values and args[0].kind != "ref":
+            error(f"{expr.value}() takes a captured value, not {expr.args[0].text!r}",
+                  expr.args[0].loc, did_you_mean(expr.args[0].value, captures))
+            return None
+        return P.Expr("call", expr.loc, expr.value, args, expr.text)
+    args = [_expr(a, captures, error, functions) for a in expr.args]
+    if any(a is None for a in args):
+        return None
+    return P.Expr(kind, expr.loc, expr.value, args, expr.text)
+
+
+class _CostCompiler:
+    """`cost y = Op(a, b, rest...) flops EXPR [bytes EXPR]` -> engine.patterns.CostFormula."""
+
+    def __init__(self, owner: Compiler, decl: ast.CostDecl, file_order: int):
+        self.owner = owner
+        self.decl = decl
+        self.file_order = file_order
+        self.bound: dict[str, SourceLocation] = {}
+
+    def error(self, message: str, loc: SourceLocation, hint: str = "") -> None:
+        self.owner.error(message, loc, hint)
+
+    def _bind(self, name: str, loc: SourceLocation) -> None:
+        if name in self.bound:
+            self.error(f"capture {name!r} is bound twice (first at {self.bound[name]})", loc)
+        else:
+            self.bound[name] = loc
+
+    def compile(self) -> P.CostFormula | None:
+        decl = self.decl
+        pat = decl.pattern
+        before = len(self.owner.diagnostics)
+        ops = self.owner.resolve_ops(pat.ops)
+        if pat.commutative:
+            self.error("a cost binds the op's inputs by position: write `Op(a, b)`, not `Op{a, b}`", pat.loc)
+        outputs: list[str | None] = []
+        for target in decl.targets:
+            outputs.append(target.name)
+            if target.name is not None:
+                self._bind(target.name, target.loc)
+        inputs: list[str | None] = []
+        variadic = None
+        for arg in pat.args:
+            if variadic is not None:
+                self.error("a variadic capture `xs...` must be the last input", arg.loc)
+            if arg.kind == "attr":
+                self.error("a cost does not constrain attributes: it covers every node of the op", arg.loc,
+                           "bind the op's inputs with captures (x), `_` or a variadic tail (rest...)")
+            elif arg.kind == "nested":
+                self.error("a cost binds the op's own inputs: it takes no nested pattern", arg.loc,
+                           "write a capture (x) or `_` here")
+            elif arg.kind == "wildcard":
+                inputs.append(None)
+            elif arg.kind == "variadic":
+                variadic = arg.name
+                self._bind(arg.name, arg.loc)
+            else:
+                inputs.append(arg.name)
+                self._bind(arg.name, arg.loc)
+        if ops and len(decl.targets) > 1:
+            check_signatures({op: self.owner.signature(op) for op in sorted(ops)}, [], decl.targets, self.error)
+        kinds = {name: VARIADIC if name == variadic else VALUE for name in self.bound}
+        checker = TypeChecker(kinds, {}, self.error)
+        flops = self._formula(decl.flops, "flops", checker)
+        moved = self._formula(decl.bytes, "bytes", checker) if decl.bytes is not None else None
+        if len(self.owner.diagnostics) > before or not ops or flops is None:
+            return None
+        return P.CostFormula(ops, tuple(outputs), tuple(inputs), variadic, flops, moved, decl.loc,
+                             decl.text, self.file_order)
+
+    def _formula(self, expr: ast.Expr, what: str, checker: TypeChecker) -> P.Expr | None:
+        """A number-valued formula over the captures, calling only COST_BUILTINS."""
+        compiled = compile_expr(expr, set(self.bound), self.error, COST_BUILTINS)
+        if compiled is None:
+            return None
+        before = len(self.owner.diagnostics)
+        typed = checker.check(compiled)
+        if len(self.owner.diagnostics) > before:
+            return None
+        if typed.type not in (NUMBER, ANY):
+            checker.expect(NUMBER, typed, compiled, f"`{what}` needs a number")
+            return None
+        if typed.is_const and typed.const < 0:
+            self.error(f"`{what}` is {typed.const}: a cost cannot be negative", compiled.location)
+            return None
+        return compiled
 
 
 def _arg_names(pat: ast.NodePat) -> set[str]:

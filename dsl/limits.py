@@ -18,7 +18,9 @@ from .errors import Diagnostic
 # MAX_PATTERN_DEPTH (64, engine.patterns): ops nested in ops, through nested patterns and
 # captured outputs. MAX_EXPR_DEPTH (256, engine.patterns): guard and chunk-count expressions,
 # where a chain `a + b + ...` counts its length. The engine refuses deeper rules too.
-MAX_PATTERN_NODES = 1024      # a pattern's ops counted once per use (a reused statement repeats)
+# A pattern's size is not limited: a statement several inputs read is one shared pattern, which
+# the compiler builds once and the matcher matches once per node (engine.matcher), so `a1 =
+# Add(a0, a0)`, `a2 = Add(a1, a1)`, ... costs its number of statements, not 2**n.
 MAX_LITERAL = 2**63           # every number literal lies strictly between -MAX_LITERAL and MAX_LITERAL
 MAX_CHUNK_DIM = 64            # `chunk ... along D` needs |D| < MAX_CHUNK_DIM
 
@@ -92,14 +94,13 @@ def expr_too_deep(expr: ast.Expr) -> ast.Expr | None:
     return None
 
 
-def pattern_shape(rule: ast.RuleDecl, producers: dict[str, int]) -> tuple[int, int, ast.NodePat | None]:
-    """Depth and expanded size of each statement's pattern, captured outputs followed into the
-    statements that produce them (`producers`: capture -> statement index). Returns the largest
-    depth, the largest size, and a pattern where the depth limit is crossed (or None).
+def pattern_shape(rule: ast.RuleDecl, producers: dict[str, int]) -> tuple[int, ast.NodePat | None]:
+    """Depth of each statement's pattern, captured outputs followed into the statements that
+    produce them (`producers`: capture -> statement index), each statement measured once.
+    Returns the largest depth and a pattern where the depth limit is crossed (or None).
     Statements in a cycle count as leaves there (the compiler reports the cycle)."""
     n = len(rule.bindings)
     depth = [0] * n
-    size = [0] * n
     state = [0] * n               # 0 new, 1 on the stack, 2 done
     worst: ast.NodePat | None = None
     for start in range(n):
@@ -116,10 +117,9 @@ def pattern_shape(rule: ast.RuleDecl, producers: dict[str, int]) -> tuple[int, i
             if state[i] == 2:
                 continue
             state[i] = 2
-            d, s, where = _measure(rule.bindings[i].pattern, producers, depth, size, state)
-            depth[i], size[i] = d, s
+            depth[i], where = _measure(rule.bindings[i].pattern, producers, depth, state)
             worst = worst or where
-    return max(depth, default=0), max(size, default=0), worst
+    return max(depth, default=0), worst
 
 
 def _references(pat: ast.NodePat, producers: dict[str, int]) -> list[int]:
@@ -134,14 +134,13 @@ def _references(pat: ast.NodePat, producers: dict[str, int]) -> list[int]:
     return out
 
 
-def _measure(pat: ast.NodePat, producers: dict[str, int], depth: list[int], size: list[int],
-             state: list[int]) -> tuple[int, int, ast.NodePat | None]:
-    """Depth and expanded size of one statement's pattern, its producers already measured."""
-    best_depth, total, where = 0, 0, None
+def _measure(pat: ast.NodePat, producers: dict[str, int], depth: list[int],
+             state: list[int]) -> tuple[int, ast.NodePat | None]:
+    """Depth of one statement's pattern, its producers already measured."""
+    best_depth, where = 0, None
     stack = [(pat, 1)]
     while stack:
         p, level = stack.pop()
-        total += 1
         best_depth = max(best_depth, level)
         if level > MAX_PATTERN_DEPTH and where is None:
             where = p
@@ -151,7 +150,6 @@ def _measure(pat: ast.NodePat, producers: dict[str, int], depth: list[int], size
             elif arg.kind == "capture" and arg.name in producers and state[producers[arg.name]] == 2:
                 j = producers[arg.name]
                 best_depth = max(best_depth, level + depth[j])
-                total += size[j]
                 if level + depth[j] > MAX_PATTERN_DEPTH and where is None:
                     where = p
-    return best_depth, min(total, MAX_PATTERN_NODES + 1), where
+    return best_depth, where

@@ -135,6 +135,8 @@ class _Builder(Transformer_NonRecursive):
                 out.families.append(item)
             elif isinstance(item, ast.OpDecl):
                 out.op_decls.append(item)
+            elif isinstance(item, ast.CostDecl):
+                out.costs.append(item)
             elif isinstance(item, ast.RuleDecl):
                 out.rules.append(item)
         return out
@@ -226,6 +228,16 @@ class _Builder(Transformer_NonRecursive):
     def attr_sig(self, children):
         name, kind = children
         return ast.AttrSig(str(name), str(kind), self._loc(name), self._loc(kind))
+
+    @v_args(meta=True)
+    def cost_decl(self, meta, children):
+        targets, pattern, flops = children[:3]
+        extra = children[3] if len(children) > 3 else None
+        return ast.CostDecl(targets, pattern, flops, extra[1] if extra else None, self._loc(meta),
+                            self._text(meta).strip())
+
+    def cost_bytes(self, children):
+        return ("bytes", children[0])
 
     @v_args(meta=True)
     def rule(self, meta, children):

@@ -1,9 +1,16 @@
 """Op signatures: how many outputs an op has and which attributes it takes, and of which type.
 
-They come from ONNX's schemas (onnx.defs, imported on first use, the latest version of each
-op) or from a custom op's declaration, `op com.example::MyOp outputs 1 attrs alpha: float`.
-A rule whose attribute constraint or bound output no signature allows could never match:
-the compiler refuses it. Ops with no signature (aten::*, com.microsoft::*) accept anything.
+They come from ONNX's schemas (onnx.defs, imported on first use) or from a custom op's
+declaration, `op com.example::MyOp outputs 1 attrs alpha: float`. A rule whose attribute
+constraint or bound output no signature allows could never match: the compiler refuses it.
+Ops with no signature (aten::*, com.microsoft::*) accept anything.
+
+An op's ONNX signature is the union of every version of its schema: a model of an older opset
+carries the attributes later opsets turned into inputs (Split's `split`, Squeeze's and
+ReduceSum's `axes` before opset 13, Dropout's `ratio`, Clip's `min`), and a rule can match it.
+So an attribute is accepted when any version had it, with any type some version gave it
+(Cast's `to` was a string in opset 1), and the outputs a statement may bind are the widest
+range over the versions (BatchNormalization had 5 outputs before opset 9, 3 after).
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ _DESCRIBE = {
 @dataclass(frozen=True)
 class Signature:
     outputs: tuple[int, int | None]          # min, max (None: any number, a variadic output)
-    attrs: dict[str, str] | None             # name -> kind; None: attributes unchecked
+    attrs: dict[str, tuple[str, ...]] | None  # name -> its kinds (several: versions differ); None: unchecked
     origin: str                              # "the ONNX schema" or "the declaration at file:line:col"
 
 
@@ -79,32 +86,48 @@ def accepts(kind: str, value: Any) -> bool:
     return False
 
 
-@lru_cache(maxsize=None)
-def onnx_signature(op: str) -> Signature | None:
-    """The latest ONNX schema of `op` ("Relu", "ai.onnx.ml::LabelEncoder"), or None."""
-    domain, sep, name = op.rpartition("::")
-    if not sep:
-        domain = ""
+@lru_cache(maxsize=1)
+def _onnx_schemas() -> dict[tuple[str, str], list[Any]]:
+    """Every version of every ONNX schema, by (domain, op name); empty without onnx."""
     try:
         from onnx import defs
     except ImportError:        # pragma: no cover - onnx is a dependency; without it, no checks
+        return {}
+    out: dict[tuple[str, str], list[Any]] = {}
+    for schema in defs.get_all_schemas_with_history():
+        out.setdefault((schema.domain, schema.name), []).append(schema)
+    return out
+
+
+@lru_cache(maxsize=None)
+def onnx_signature(op: str) -> Signature | None:
+    """The signature of `op` ("Relu", "ai.onnx.ml::LabelEncoder") over every version of its
+    ONNX schema (see the module docstring), or None when ONNX has no such op."""
+    domain, sep, name = op.rpartition("::")
+    if not sep or domain == "ai.onnx":
+        domain = ""
+    versions = _onnx_schemas().get((domain, name))
+    if not versions:
         return None
-    try:
-        schema = defs.get_schema(name, domain=domain)
-    except Exception:          # onnx.defs.SchemaError: no such op in that domain
-        return None
+    from onnx import defs
+
     types = defs.OpSchema.AttrType
     kinds = {types.INT: "int", types.FLOAT: "float", types.STRING: "string", types.INTS: "ints",
              types.FLOATS: "floats", types.STRINGS: "strings"}
-    attrs = {}
-    for attr_name, attr in schema.attributes.items():
-        kind = kinds.get(attr.type, "other")
-        if kind == "int" and not domain and (name, attr_name) in DTYPE_ATTRIBUTES:
-            kind = "dtype"
-        attrs[attr_name] = kind
-    variadic = bool(schema.outputs) and schema.outputs[-1].option == defs.OpSchema.FormalParameterOption.Variadic
-    high = None if variadic or schema.max_output >= 2**31 - 1 else schema.max_output
-    return Signature((schema.min_output, high), attrs, "the ONNX schema")
+    attrs: dict[str, set[str]] = {}
+    low, high = None, 0
+    for schema in versions:
+        for attr_name, attr in schema.attributes.items():
+            kind = kinds.get(attr.type, "other")
+            if kind == "int" and not domain and (name, attr_name) in DTYPE_ATTRIBUTES:
+                kind = "dtype"
+            attrs.setdefault(attr_name, set()).add(kind)
+        variadic = (bool(schema.outputs)
+                    and schema.outputs[-1].option == defs.OpSchema.FormalParameterOption.Variadic)
+        most = None if variadic or schema.max_output >= 2**31 - 1 else schema.max_output
+        low = schema.min_output if low is None else min(low, schema.min_output)
+        high = None if high is None or most is None else max(high, most)
+    return Signature((low, high), {a: tuple(sorted(k)) for a, k in attrs.items()}, "the ONNX schema")
 
 
 def op_name(name: str) -> str:
@@ -118,7 +141,7 @@ def declare_signature(decl: ast.OpDecl, signatures: dict[str, tuple[Signature, S
     """`op domain::Name outputs 1..2 attrs alpha: float`: record the signature of each op named,
     which rules are then checked against as against an ONNX schema."""
     sig = decl.signature
-    attrs: dict[str, str] | None = None
+    attrs: dict[str, tuple[str, ...]] | None = None
     if sig.attrs is not None:
         attrs = {}
         for a in sig.attrs:
@@ -128,7 +151,7 @@ def declare_signature(decl: ast.OpDecl, signatures: dict[str, tuple[Signature, S
             elif a.name in attrs:
                 error(f"attribute {a.name!r} is declared twice", a.loc, "")
             else:
-                attrs[a.name] = a.kind
+                attrs[a.name] = (a.kind,)
     signature = Signature(sig.outputs or (1, None), attrs, f"the declaration at {sig.loc}")
     for ref in decl.ops:
         name = op_name(ref.name)
@@ -157,9 +180,10 @@ def check_signatures(sigs: dict[str, Signature | None], constrained: list[tuple[
                   did_you_mean(arg.name, names) or (f"its attributes are: {listed}" if names else
                                                     "it has no attributes"))
             continue
-        if value is None or any(s.attrs is None or accepts(s.attrs[arg.name], value) for s in having.values()):
+        if value is None or any(s.attrs is None or any(accepts(k, value) for k in s.attrs[arg.name])
+                                for s in having.values()):
             continue
-        kinds = sorted({s.attrs[arg.name] for s in having.values()})
+        kinds = sorted({k for s in having.values() for k in s.attrs[arg.name]})
         error(f"attribute {arg.name!r} of {_ops_text(having)} takes "
               f"{' or '.join(describe_kind(k) for k in kinds)}, not {describe_value(value)}",
               arg.value.loc, _attr_hint(kinds, value))

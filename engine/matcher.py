@@ -4,6 +4,11 @@ Rules are indexed by the ops their root accepts; each node costs one dict
 lookup unless some rule roots at its op. Matching walks from the root node up
 through producers. Results come in schedule order, then rule priority order,
 so they are deterministic.
+
+A statement whose capture several inputs read (`a1 = Add(a0, a0)`, `a2 = Add(a1, a1)`) is
+one pattern shared in the rule's pattern DAG; a pattern inside a commutative one is tried in
+both orders of its operands. Both are matched once per (pattern, node) in one match attempt
+(`_memo_arg`), never once per path to them, which would take exponential time.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from .errors import SourceLocation
 from .failures import PlanFailure, Site, check_injected, injection_active
 from .guards import Unproven, decide, describe, evaluate_expr
 from .ir import Graph, Node, Value
-from .patterns import (CaptureRef, Expr, NodePattern, Rule, RuleSet, TypePattern,
+from .patterns import (CaptureRef, Expr, NodePattern, OutputRef, Rule, RuleSet, TypePattern,
                        Wildcard)
 from .shapes import format_shape
 
@@ -97,6 +102,14 @@ class MatchContext:
 class _Fail(Exception):
     def __init__(self, location: SourceLocation, message: str):
         self.reason = Reason(location, message)
+
+    @classmethod
+    def again(cls, reason: Reason) -> "_Fail":
+        """A new exception for a failure the memo recorded (not the same object raised twice,
+        whose traceback would grow with each raise)."""
+        err = cls.__new__(cls)
+        err.reason = reason
+        return err
 
 
 def _bind(bindings: dict[str, Any], name: str, value: Any, loc: SourceLocation) -> None:
@@ -193,7 +206,9 @@ def _compile_node(pat: NodePattern):
             apply_args(inputs, bindings, matched)
             return
         first_error: _Fail | None = None
-        for order in (inputs[:n_args], inputs[:n_args][::-1]):
+        operands = inputs[:n_args]
+        orders = (operands,) if operands[0] is operands[1] else (operands, operands[::-1])
+        for order in orders:
             trial, trial_nodes = dict(bindings), list(matched)
             try:
                 for fn, value in zip(arg_fns, order):
@@ -262,6 +277,7 @@ def _compile_arg(arg: Any):
         return capture
     pattern, index = (arg, 0) if isinstance(arg, NodePattern) else (arg.pattern, arg.output)
     match_producer = _compiled(pattern)
+    memo = pattern.__dict__.get("_memo")
 
     def not_produced(value: Value | None) -> _Fail:
         if value is None:
@@ -274,6 +290,8 @@ def _compile_arg(arg: Any):
         return _Fail(pattern.location, f"`{pattern.text}`: %{value.name} is not output {index} "
                                        f"of {producer.name}")
 
+    if memo is not None:
+        return _memo_arg(pattern, index, match_producer, memo, not_produced)
     if index == 0:
         def produced(value: Value | None, bindings: dict[str, Any], matched: list[Node]) -> None:
             producer = value.producer if value is not None else None
@@ -288,6 +306,150 @@ def _compile_arg(arg: Any):
             match_producer(producer, bindings, matched)
 
     return produced
+
+
+_MEMO = object()     # the bindings key of one match attempt's memo (`_memo_arg`)
+
+
+class _Memoised:
+    """Marks a pattern that may be reached by several paths in one match attempt (`_root_matcher`):
+    several inputs read it, or it lies inside a commutative pattern, whose two operand orders may
+    reach the same node. `alternatives`: a commutative pattern lies in it, so it can match a node
+    in more than one way."""
+
+    __slots__ = ("alternatives",)
+
+    def __init__(self, alternatives: bool):
+        self.alternatives = alternatives
+
+
+def _memo_arg(pattern: NodePattern, index: int, match_producer, memoised: _Memoised, not_produced):
+    """The argument matcher of a memoised pattern: matched once per (pattern, node) in a match
+    attempt, however many paths reach it.
+
+    The first time, the pattern is matched at the node on its own, from no bindings; the memo
+    (a dict in the attempt's bindings under _MEMO, shared by every trial of a commutative
+    pattern) keeps the failure, or the bindings it made and the nodes it matched. Matching only
+    ever adds `capture = value` constraints, so a failure from no bindings is a failure from any;
+    a success is merged into the bindings when it agrees with them: a shared capture binds the
+    same value, else the conflict fails as `_bind` does. Only a pattern with a commutative part
+    can match the node in another way that agrees; it is then matched again in the current
+    bindings. A key (pattern, node) in the bindings records that it matched here, so later paths
+    to it in the same bindings cost one lookup (and a failed commutative trial, which drops its
+    copy of the bindings, drops the record too). `_root_matcher` removes these keys."""
+    location = pattern.location
+
+    def produced(value: Value | None, bindings: dict[Any, Any], matched: list[Node]) -> None:
+        producer = value.producer if value is not None else None
+        if producer is None or len(producer.outputs) <= index or producer.outputs[index] is not value:
+            raise not_produced(value)
+        mark = (memoised, producer)
+        if mark in bindings:
+            return
+        memo = bindings.get(_MEMO)
+        if memo is None:          # reached through a rule whose root did not set up the memo
+            match_producer(producer, bindings, matched)
+            return
+        entry = memo.get(mark)
+        if entry is None:
+            fresh: dict[Any, Any] = {_MEMO: memo}
+            nodes: list[Node] = []
+            try:
+                match_producer(producer, fresh, nodes)
+            except _Fail as fail:
+                memo[mark] = fail.reason
+                raise
+            del fresh[_MEMO]
+            fresh[mark] = True
+            entry = memo[mark] = (fresh, nodes)
+        elif entry.__class__ is Reason:
+            raise _Fail.again(entry)
+        delta, nodes = entry
+        conflict = _conflict(bindings, delta)
+        if conflict is None:
+            bindings.update(delta)
+            matched.extend(nodes)
+            return
+        if not memoised.alternatives:
+            name, have, want = conflict
+            raise _Fail(location, f"capture {name!r} would be both %{_name(have)} and %{_name(want)}")
+        match_producer(producer, bindings, matched)
+        bindings[mark] = True
+
+    return produced
+
+
+def _conflict(bindings: dict[Any, Any], delta: dict[Any, Any]) -> tuple[Any, Any, Any] | None:
+    """The first capture `delta` binds to another value than `bindings` does, or None."""
+    for name, value in delta.items():
+        have = bindings.get(name, _MISSING)
+        if have is _MISSING or have is value:
+            continue
+        if (isinstance(have, list) and isinstance(value, list) and len(have) == len(value)
+                and all(a is b for a, b in zip(have, value))):
+            continue
+        return name, have, value
+    return None
+
+
+def _inputs(pat: NodePattern) -> list[NodePattern]:
+    return [a if isinstance(a, NodePattern) else a.pattern
+            for a in pat.args if isinstance(a, (NodePattern, OutputRef))]
+
+
+def _below(roots: list[NodePattern], seen: set[int]) -> list[NodePattern]:
+    """The patterns `roots` read, directly or not, that are not in `seen` (which grows)."""
+    out, stack = [], list(roots)
+    while stack:
+        for child in _inputs(stack.pop()):
+            if id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+                stack.append(child)
+    return out
+
+
+def _memoised_patterns(root: NodePattern) -> list[NodePattern]:
+    """The patterns of `root`'s pattern DAG that more than one argument reads, and those inside
+    a commutative pattern (explicit stacks, each pattern visited once per walk)."""
+    patterns = [root, *_below([root], {id(root)})]
+    readers: dict[int, int] = {}
+    for pat in patterns:
+        for child in _inputs(pat):
+            readers[id(child)] = readers.get(id(child), 0) + 1
+    inside = _below([p for p in patterns if p.commutative], set())
+    chosen = {id(p) for p in inside} | {k for k, n in readers.items() if n > 1}
+    return [p for p in patterns if id(p) in chosen]
+
+
+def _has_commutative(root: NodePattern) -> bool:
+    return root.commutative or any(p.commutative for p in _below([root], {id(root)}))
+
+
+def _root_matcher(root: NodePattern):
+    """The matcher of a rule's whole pattern, built once. Without memoised patterns it is the
+    root's node matcher; with them, a wrapper that gives each attempt its memo and removes it (and
+    the records of `_memo_arg`) from the bindings of a match, and lists each matched node once."""
+    fn = root.__dict__.get("_root_matcher")
+    if fn is not None:
+        return fn
+    memoised = _memoised_patterns(root)
+    for pat in memoised:               # before compiling, so the readers' matchers see the mark
+        if "_memo" not in pat.__dict__:
+            pat.__dict__["_memo"] = _Memoised(_has_commutative(pat))
+    inner = _compiled(root)
+    if not memoised:
+        fn = inner
+    else:
+        def fn(node: Node, bindings: dict[Any, Any], matched: list[Node]) -> None:
+            bindings[_MEMO] = {}
+            inner(node, bindings, matched)
+            for key in [k for k in bindings if k.__class__ is not str]:
+                del bindings[key]
+            if len(matched) > 1:
+                matched[:] = dict.fromkeys(matched)
+    root.__dict__["_root_matcher"] = fn
+    return fn
 
 
 @contextmanager
@@ -372,7 +534,7 @@ def try_match(rule: Rule, node: Node, ctx: MatchContext) -> Match | Reason:
     bindings: dict[str, Any] = {}
     matched: list[Node] = []
     try:
-        _compiled(rule.root)(node, bindings, matched)
+        _root_matcher(rule.root)(node, bindings, matched)
         _check_types_and_guards(rule, bindings, ctx)
     except _Fail as fail:
         return fail.reason
@@ -383,7 +545,7 @@ def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
           forward_outputs: list[str] | None = None, context: MatchContext | None = None) -> list[Match]:
     """Every match of every rule, in schedule order (then priority, then file order)."""
     ctx = context or MatchContext(graph, rules, analysis, forward_outputs)
-    index = {op: [(r, _compiled(r.root), bool(r.types or r.guards)) for r in rs]
+    index = {op: [(r, _root_matcher(r.root), bool(r.types or r.guards)) for r in rs]
              for op, rs in rules.by_root_op().items()}
     qualified = any("::" in op for op in index)  # only then can a node's native op name matter
     found: list[Match] = []

@@ -194,17 +194,48 @@ class Rule:
         return 1
 
     def node_patterns(self) -> Iterable[NodePattern]:
+        """Each pattern of the rule once (a statement several inputs read is one shared pattern)."""
+        seen = {id(self.root)}
         stack = [self.root]
         while stack:
             pat = stack.pop()
             yield pat
-            stack.extend(a if isinstance(a, NodePattern) else a.pattern
-                         for a in pat.args if isinstance(a, (NodePattern, OutputRef)))
+            for a in pat.args:
+                if isinstance(a, (NodePattern, OutputRef)):
+                    child = a if isinstance(a, NodePattern) else a.pattern
+                    if id(child) not in seen:
+                        seen.add(id(child))
+                        stack.append(child)
+
+
+@dataclass(eq=False)
+class CostFormula:
+    """`cost y = MatMul(a, b) flops 2 * numel(y) * dim(a, -1) [bytes EXPR]`: what one op costs,
+    computed from its own values (engine.op_cost evaluates it). `outputs` and `inputs` name the
+    node's outputs and inputs by position (None: `_`); `variadic` takes the inputs after them.
+    Without `bytes`, the op moves the bytes of every input and output. `file_order`: the place of
+    the declaring file in load order (a later file's declaration overrides an earlier one's)."""
+
+    ops: frozenset[str]
+    outputs: tuple[str | None, ...]
+    inputs: tuple[str | None, ...]
+    variadic: str | None
+    flops: Expr
+    bytes: Expr | None
+    location: SourceLocation
+    text: str = ""
+    file_order: int = 0
+
+    def __post_init__(self) -> None:
+        _check_depth(self.flops, self.location)
+        if self.bytes is not None:
+            _check_depth(self.bytes, self.location)
 
 
 @dataclass
 class RuleSet:
-    """Rules plus the op facts the rule files declare (which ops are views, recomputable, random)."""
+    """Rules plus the op facts the rule files declare (which ops are views, recomputable, random,
+    how chunking carries dims through them, what they cost)."""
 
     rules: list[Rule] = field(default_factory=list)
     recomputable: dict[str, str] = field(default_factory=dict)   # op -> tier
@@ -215,6 +246,9 @@ class RuleSet:
     chunkable: dict[str, str] = field(default_factory=dict)      # op -> how chunk dims propagate
     linear_in_gradient: frozenset[str] = frozenset()
     additive_in_gradient: frozenset[str] = frozenset()
+    # op -> its cost formula, for every name a `cost` declaration resolves to (backend spellings
+    # such as aten::addmm included); engine.op_cost.node_cost picks a node's
+    costs: dict[str, CostFormula] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._index: dict[str, list[Rule]] | None = None

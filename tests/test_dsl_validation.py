@@ -1,7 +1,10 @@
 """Rules that could never do what they say, or that broke the compiler, are refused with a
 positioned diagnostic: nesting limits, number literals, attributes and outputs against op
 schemas, guard types, repeated rule options, chunk dims and counts. One class per section."""
+import time
+
 import pytest
+from ir_graphs import GraphBuilder
 
 from dsl.errors import RuleCompileError
 from dsl.loader import compile_text
@@ -9,6 +12,7 @@ from dsl.typecheck import BUILTIN_TYPES
 from engine import patterns as P
 from engine.errors import RuleError, SourceLocation
 from engine.guards import BUILTINS
+from engine.matcher import MatchContext, match, try_match
 
 
 def diagnostics(text: str):
@@ -90,9 +94,100 @@ def test_nested_attribute_lists_are_refused():
                 "attribute lists cannot be nested", 3, 26)
 
 
-def test_a_pattern_that_reuses_statements_exponentially_is_refused():
-    text = rule("\n".join(f"a{i + 1} = Add(a{i}, a{i})" for i in range(40)), "recompute a40")
-    assert_diag(text, "more than 1024 ops", 42, 5)
+def _chain_rule(n: int, bottom: str = "Relu", commutative: bool = False) -> str:
+    """`a1 = Relu(a0)`, `a2 = Add(a1, a1)`, ... `an = Add(a{n-1}, a{n-1})`: 2**(n-1) ops expanded."""
+    o, c = "{}" if commutative else "()"
+    stmts = [f"a1 = {bottom}(a0)"] + [f"a{i + 1} = Add{o}a{i}, a{i}{c}" for i in range(1, n)]
+    return rule("\n".join(stmts), f"recompute a{n}")
+
+
+def _chain_graph(n: int):
+    """a1 = Relu(x), a{i+1} = Add(a{i}, a{i})."""
+    b = GraphBuilder()
+    a = b.op("Relu", [b.input("x", shape=(4, 4))], name="a1")
+    for i in range(1, n):
+        a = b.op("Add", [a, a], name=f"a{i + 1}")
+    return b.graph([a])
+
+
+@pytest.mark.parametrize("commutative", [False, True])
+def test_a_pattern_that_reuses_statements_compiles_and_matches_in_linear_time(commutative):
+    """Each statement is one pattern however many inputs read it, matched once per node: 63
+    statements (the depth limit is 64) expand to 2**62 ops, which the matcher never walks."""
+    n = 63
+    start = time.perf_counter()
+    rules = compile_text(_chain_rule(n, commutative=commutative), "t.rule")
+    graph = _chain_graph(n)
+    [found] = match(graph, rules)
+    assert found.root is graph.nodes[-1]
+    assert [node.name for node in found.nodes] == [f"n_a{i}" for i in range(n, 0, -1)]   # each once
+    assert set(found.bindings) == {f"a{i}" for i in range(n + 1)}                          # captures only
+    assert found.bindings["a0"] is graph.nodes[0].inputs[0]
+    failing = compile_text(_chain_rule(n, bottom="Gelu", commutative=commutative), "t.rule")
+    assert match(graph, failing) == []
+    reason = try_match(failing.rules[0], graph.nodes[-1], MatchContext(graph, failing))
+    assert "`a1 = Gelu(a0)` needs op Gelu, found Relu (n_a1)" in str(reason)
+    assert time.perf_counter() - start < 20      # 2**63 steps would never finish
+
+
+def test_a_statement_read_twice_binds_one_node():
+    rules = compile_text(rule("s = Relu(x)\ny = Add(s, s)"), "t.rule")
+    b = GraphBuilder()
+    x = b.input("x", shape=(4, 4))
+    r1, r2 = b.op("Relu", [x], name="r1"), b.op("Relu", [x], name="r2")
+    b.op("Add", [r1, r1], name="same")
+    b.op("Add", [r1, r2], name="two")
+    graph = b.graph([b.nodes[-1].outputs[0]])
+    [found] = match(graph, rules)
+    assert found.root.name == "n_same" and found.bindings["s"] is r1 and found.nodes == [graph.nodes[2], graph.nodes[0]]
+    reason = try_match(rules.rules[0], graph.nodes[3], MatchContext(graph, rules))
+    assert "capture 's' would be both %r1 and %r2" in str(reason)
+
+
+def test_a_shared_commutative_statement_takes_the_order_the_other_inputs_agree_with():
+    """`s = Add{a, b}` read twice, with `a` bound first by another input: matched on its own,
+    s binds a to Add's first operand; the Where needs the second, and gets it."""
+    rules = compile_text(rule("s = Add{a, b}\ny = Where(a, s, s)"), "t.rule")
+    b = GraphBuilder()
+    u, v = b.input("u", shape=(4,)), b.input("v", shape=(4,))
+    s = b.op("Add", [u, v], name="s")
+    b.op("Where", [v, s, s], name="y")
+    graph = b.graph([b.nodes[-1].outputs[0]])
+    [found] = match(graph, rules)
+    assert (found.bindings["a"], found.bindings["b"], found.bindings["s"]) == (v, u, s)
+
+
+def test_split_outputs_read_by_two_inputs_come_from_one_node():
+    rules = compile_text(rule("p, r = Split(x)\ny = Add(p, r)"), "t.rule")
+    b = GraphBuilder()
+    x = b.input("x", shape=(4, 4))
+    p1, r1 = b.op("Split", [x], outputs=2, name="sp1")
+    p2, _ = b.op("Split", [x], outputs=2, name="sp2")
+    b.op("Add", [p1, r1], name="ok")
+    b.op("Add", [p2, r1], name="mixed")
+    b.op("Add", [r1, p1], name="swapped")
+    graph = b.graph([b.nodes[-1].outputs[0]])
+    [found] = match(graph, rules)
+    assert found.root.name == "n_ok" and found.nodes == [graph.nodes[2], graph.nodes[0]]
+
+
+def test_nested_commutative_patterns_do_not_retry_a_node_per_order():
+    """Both operand orders of each `Add{...}` reach the same node below: 31 levels (63 ops deep,
+    the limit is 64) would be 2**31 attempts if a pattern were matched again at a node it was
+    already tried at."""
+    n = 31
+    pat = "Relu(x)"
+    for _ in range(n):
+        pat = f"Add{{Elementwise({pat}), _}}"
+    rules = compile_text("use std.ops\n" + rule(f"y = {pat}"), "t.rule")
+    b = GraphBuilder()
+    a = b.op("Gelu", [b.input("x", shape=(4,))], name="a0")     # Gelu, not Relu: every attempt fails
+    for i in range(n):
+        a = b.op("Add", [b.op("Neg", [a], name=f"n{i}"), b.op("Abs", [a], name=f"m{i}")], name=f"a{i + 1}")
+    graph = b.graph([a])
+    start = time.perf_counter()
+    assert match(graph, rules) == []
+    assert time.perf_counter() - start < 20
 
 
 def test_long_family_chains_resolve_without_recursion():
@@ -186,6 +281,49 @@ def test_unknown_string_escapes_are_refused_not_decoded():
 ])
 def test_attributes_and_outputs_no_schema_allows(text, message, line, col):
     assert_diag(text, message, line, col)
+
+
+@pytest.mark.parametrize("statement", [
+    "y = Split(x, axis=0, split=[2, 2])",            # an input since opset 13
+    "y = Squeeze(x, axes=[0])",                      # opset 1 and 11
+    "y = Unsqueeze(x, axes=[0])",
+    "y = ReduceSum(x, axes=[1], keepdims=0)",       # before opset 13
+    "y = ReduceMean(x, axes=[-1])",                 # before opset 18
+    "y = Dropout(x, ratio=0.1)",                    # opset 7 and 10
+    "y = Clip(x, min=0.0, max=6)",                  # before opset 11
+    "y = Pad(x, pads=[0, 1, 0, 1], mode=\"constant\")",
+    "y = Relu(x, consumed_inputs=[0])",             # opset 1
+    'y = Cast(x, to="FLOAT")',                      # a string in opset 1, a dtype since 6
+    "y = LpPool(x, p=2.0)",                         # a float in opset 1, an int since 2
+    "a, b, c, d, e = BatchNormalization(x, _, _, _, _)",   # 5 outputs before opset 9
+])
+def test_attributes_and_outputs_of_any_schema_version_compile(statement):
+    compile_text(rule(statement, "recompute " + statement.split("=")[0].split(",")[0].strip()), "t.rule")
+
+
+@pytest.mark.parametrize("text, message, line, col, hint", [
+    (rule("y = Squeeze(x, axis=[0])"), "Squeeze has no attribute 'axis'", 3, 20, "did you mean 'axes'"),
+    (rule("y = Split(x, splits=[2, 2])"), "Split has no attribute 'splits'", 3, 18, "did you mean 'split'"),
+    (rule("y = Dropout(x, ration=0.5)"), "Dropout has no attribute 'ration'", 3, 20, "did you mean 'ratio'"),
+    (rule("y = Squeeze(x, axes=0)"), "attribute 'axes' of Squeeze takes a list of ints, not an int", 3, 25,
+     "write a list"),
+    (rule("y = Cast(x, to=1)"), "takes a data type (a dtype name such as float32) or a string", 3, 20, ""),
+    (rule("a, b, c, d, e, f = BatchNormalization(x, _, _, _, _)", "recompute a"),
+     "BatchNormalization has 5 outputs, but the statement binds 6", 3, 20, "bind at most 5"),
+])
+def test_names_no_schema_version_had_are_refused(text, message, line, col, hint):
+    assert_diag(text, message, line, col)
+    assert hint in diag(text).hint
+
+
+def test_an_opset_11_attribute_matches_a_node_that_carries_it():
+    rules = compile_text(rule("y = Squeeze(x, axes=[0])"), "t.rule")
+    b = GraphBuilder()
+    x = b.input("x", shape=(1, 4))
+    b.op("Squeeze", [x], shape=(4,), name="sq", axes=[0])
+    b.op("Squeeze", [b.nodes[0].outputs[0]], shape=(4,), name="other", axes=[1])
+    graph = b.graph([b.nodes[-1].outputs[0]])
+    assert [m.root.name for m in match(graph, rules)] == ["n_sq"]
 
 
 def test_misspelled_attribute_gets_a_did_you_mean():

@@ -8,11 +8,15 @@ duplicated, random unicode, very deep nesting). The properties:
 
 - `compile_text` returns a RuleSet or raises RuleCompileError, every diagnostic located in the
   text (a line within it), never any other exception;
-- a RuleSet that compiles runs through `engine.plan` and `engine.apply` on small IR training
-  graphs (no ONNX), raising at most remat's own errors, with a message, that wrap no Python error.
+- a RuleSet that compiles evaluates the cost of every node of small IR training graphs (a number,
+  a formula or None) and runs through `engine.plan` and `engine.apply` on them (no ONNX), raising
+  at most remat's own errors, with a message, that wrap no Python error;
+- rules whose statements are read by several inputs, and commutative patterns, match exactly
+  what the matcher without its memo of (pattern, node) matches, on random small graphs.
 """
 from __future__ import annotations
 
+import sympy
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ir_graphs import GraphBuilder, gelu_training_graph
@@ -22,6 +26,7 @@ from dsl.errors import RuleCompileError
 from dsl.loader import compile_text
 from engine.dtypes import DType
 from engine.errors import RematError
+from engine.op_cost import node_cost, total_cost
 
 # vocabulary -----------------------------------------------------------------------------------
 # Ops of the test graphs with attributes their schemas accept, then a few that are wrong.
@@ -209,7 +214,11 @@ def template_rules(draw, index: int, messy: bool) -> str:
 
 GOOD_DECLARATIONS = {"family Fam = Gelu | Relu | aten::gelu", "op com.example::MyOp",
                      "view Reshape, Transpose", "recomputable Gelu, Softmax, Cast tier expensive",
-                     "chunkable pointwise Gelu, Add", "nondeterministic Dropout"}
+                     "chunkable pointwise Gelu, Add", "nondeterministic Dropout",
+                     "cost y = Gelu(x) flops 20 * numel(y)",
+                     "cost y = MatMul(a, b) flops 2 * numel(y) * dim(a, -1) bytes bytes(a) + bytes(b)",
+                     "cost y, _ = Split(x, rest...) flops numel(x) / (rank(x) - 2) + count(rest) bytes 0",
+                     "cost y = com.example::MyOp(x, rest...) flops min(numel(y), 8 KiB) * ceil(rank(x) / 3)"}
 declarations = st.sampled_from([
     "family Fam = Gelu | Relu | aten::gelu",
     "family Fam = Fam | Relu",
@@ -222,6 +231,14 @@ declarations = st.sampled_from([
     "chunkable pointwise Gelu, Add",
     "chunkable pointwize Gelu",
     "nondeterministic Dropout",
+    "cost y = Gelu(x) flops 20 * numel(y)",
+    "cost y = MatMul(a, b) flops 2 * numel(y) * dim(a, -1) bytes bytes(a) + bytes(b)",
+    "cost y, _ = Split(x, rest...) flops numel(x) / (rank(x) - 2) + count(rest) bytes 0",
+    "cost y = com.example::MyOp(x, rest...) flops min(numel(y), 8 KiB) * ceil(rank(x) / 3)",
+    "cost y = Gelu(x) flops saved(y)",
+    "cost y = Softmax(x, axis=-1) flops numel(y)",
+    "cost y = Add{a, b} flops numel(y) bytes dtype(a)",
+    "cost y = Cast(x) flops dim(x, 99) // 0",
 ])
 
 
@@ -344,11 +361,16 @@ def _engine_error_is_clean(exc: Exception) -> None:
 
 
 def _run_engine(ruleset) -> None:
-    """The second property, on every small graph: plan, apply the default selection, and apply
-    every plan found (compromises included)."""
+    """The second property, on every small graph: every node's cost evaluates (or is None), then
+    plan, apply the default selection, and apply every plan found (compromises included)."""
     tiers = sorted(ruleset.tiers())
     for make in GRAPHS:
         graph = make()
+        for node in graph.nodes:
+            cost = node_cost(node, ruleset, graph.dim_examples)
+            assert cost is None or all(part is None or isinstance(part, (int, float, sympy.Expr))
+                                       for part in (cost.flops, cost.bytes))
+        total_cost(graph.nodes, ruleset, graph.dim_examples)
         try:
             planning = engine.plan(graph, ruleset, tiers=tiers)
             results = [engine.apply(graph, ruleset, tiers=tiers)]
@@ -429,3 +451,97 @@ def test_a_chunk_count_past_float_range_is_refused():
         _engine_error_is_clean(exc)
         return
     assert not getattr(planning, "failures", [])
+
+
+# the matcher's memo of shared patterns --------------------------------------------------------
+BINARY, UNARY = ["Add", "Mul", "Sub"], ["Relu", "Neg"]
+
+
+@st.composite
+def dag_graphs(draw):
+    """Random graphs of binary ops (an operand often read twice: `a + a`), unary ops and Splits."""
+    b = GraphBuilder()
+    values = [b.input("x", shape=(4, 4)), b.input("w", shape=(4, 4), weight=True)]
+    for i in range(draw(st.integers(3, 20))):
+        kind = draw(st.integers(0, 9))
+        recent = st.sampled_from(values[-4:])
+        if kind < 6:
+            a = draw(recent)
+            c = a if draw(st.booleans()) else draw(st.sampled_from(values))
+            values.append(b.op(draw(st.sampled_from(BINARY)), [a, c], name=f"v{i}"))
+        elif kind < 9:
+            values.append(b.op(draw(st.sampled_from(UNARY)), [draw(recent)], name=f"v{i}"))
+        else:
+            values.extend(b.op("Split", [draw(recent)], outputs=2, name=f"v{i}"))
+    return b.graph([values[-1]])
+
+
+@st.composite
+def shared_patterns(draw, earlier: list[str], depth: int = 0) -> str:
+    def arg() -> str:
+        kind = draw(st.integers(0, 9))
+        if earlier and kind < 5:
+            return draw(st.sampled_from(earlier))
+        if kind < 8 or depth >= 2:
+            return draw(st.sampled_from(["x", "y", "_"]))
+        return draw(shared_patterns(earlier, depth + 1))
+
+    if draw(st.integers(0, 2)):
+        ops = "|".join(draw(st.lists(st.sampled_from(BINARY), min_size=1, max_size=2, unique=True)))
+        left, right = ("{", "}") if draw(st.booleans()) else ("(", ")")
+        return f"{ops}{left}{arg()}, {arg()}{right}"
+    return f"{draw(st.sampled_from(UNARY))}({arg()})"
+
+
+@st.composite
+def shared_rules(draw) -> str:
+    stmts: list[str] = []
+    earlier: list[str] = []
+    n = draw(st.integers(1, 6))
+    for i in range(n):
+        if i < n - 1 and draw(st.integers(0, 5)) == 0:
+            stmts.append(f"s{i}, t{i} = Split({draw(st.sampled_from(earlier or ['x']))})")
+            earlier += [f"s{i}", f"t{i}"]
+        else:
+            stmts.append(f"s{i} = {draw(shared_patterns(earlier))}")
+            earlier.append(f"s{i}")
+    body = "\n    ".join(stmts)
+    return f"rule r {{\n  match {{\n    {body}\n  }}\n  rewrite {{ recompute s{n - 1} }}\n}}\n"
+
+
+def _unmemoised(rule, graph):
+    """The matches of the root's node matcher alone: no memo, every path matched again."""
+    from engine.matcher import _compiled
+
+    found = []
+    for node in graph.nodes:
+        bindings, nodes = {}, []
+        try:
+            _compiled(rule.root)(node, bindings, nodes)
+        except Exception as exc:      # noqa: BLE001 - _Fail, the matcher's private refusal
+            assert type(exc).__name__ == "_Fail"
+            continue
+        found.append((node, bindings, nodes))
+    return found
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=shared_rules(), graphs=st.lists(dag_graphs(), min_size=1, max_size=3))
+def test_the_memo_of_shared_patterns_changes_no_match(text, graphs):
+    try:
+        memoised = compile_text(text, "t.rule").rules[0]
+        reference = compile_text(text, "t.rule").rules[0]     # its own patterns: compiled without the memo
+    except RuleCompileError:
+        return
+    for graph in graphs:
+        got = [(m.root, m.bindings, m.nodes) for m in engine.match(graph, RuleSetOf(memoised))]
+        want = _unmemoised(reference, graph)
+        assert [(root, b) for root, b, _ in got] == [(root, b) for root, b, _ in want], text
+        for (_, _, nodes), (_, _, ref_nodes) in zip(got, want):
+            assert nodes == list(dict.fromkeys(ref_nodes))       # each matched node once
+
+
+def RuleSetOf(rule):      # noqa: N802 - reads as a constructor
+    from engine.patterns import RuleSet
+
+    return RuleSet([rule])
