@@ -1,21 +1,18 @@
 """Extra time of a plan: what it recomputes, and the launches and partial sums of its slices.
 
-Per-op FLOPs and bytes moved come from the rule files' `cost` declarations where the rules
-have them (engine.op_cost), else from a default: a matmul's 2*M*N*K, one FLOP per output
-element for anything else, and the bytes of what the op reads and writes. A device profile
-turns them into seconds.
+Per-op FLOPs and bytes moved come from the rule files' `cost` declarations (engine.op_cost;
+std.ops has them for the common ops), else from a default: one FLOP per output element and
+the bytes of what the op reads and writes. A device profile turns them into seconds.
 """
 from __future__ import annotations
 
 from ..ir import Node, Value
+from ..op_cost import default_cost, node_cost
 from ..patterns import RuleSet
 from ..shapes import evaluate
 from ..strategies.chunk import ChunkRegion
 from ..strategies.recompute import Region
 from .device import DeviceProfile
-
-MATMULS = {"MatMul", "Gemm", "FusedMatMul"}
-
 
 def _size(expr, examples: dict[str, int]) -> float:
     if expr is None:
@@ -25,30 +22,12 @@ def _size(expr, examples: dict[str, int]) -> float:
 
 
 def node_work(node: Node, rules: RuleSet, examples: dict[str, int]) -> tuple[float, float]:
-    """(FLOPs, bytes moved) of one run of `node` at the example sizes."""
-    declared = _declared(node, rules)
-    if declared is not None:
-        flops, moved = declared
-        return _size(flops, examples), _size(moved, examples)
-    if node.op in rules.views or (node.native_op is not None and node.native_op in rules.views):
-        return 0.0, 0.0
-    outs = [o for o in node.outputs if o.numel is not None]
-    flops = sum(_size(o.numel, examples) for o in outs)
-    if node.op_type in MATMULS and node.inputs and node.inputs[0] is not None and node.inputs[0].shape:
-        flops *= 2 * _size(node.inputs[0].shape[-1], examples)
-    moved = sum(_size(v.nbytes, examples) for v in [*node.present_inputs(), *node.outputs])
-    return flops, moved
-
-
-def _declared(node: Node, rules: RuleSet):
-    try:
-        from ..op_cost import node_cost
-    except ImportError:          # rule files without cost facts
-        return None
-    cost = node_cost(node, rules)
-    if cost is None or cost.flops is None:
-        return None
-    return cost.flops, cost.bytes
+    """(FLOPs, bytes moved) of one run of `node` at the example sizes: by the rules' cost
+    formula for its op, else one FLOP per output element and the bytes it reads and writes."""
+    cost, fallback = node_cost(node, rules, examples), default_cost(node)
+    flops = cost.flops if cost is not None and cost.flops is not None else fallback.flops
+    moved = cost.bytes if cost is not None and cost.bytes is not None else fallback.bytes
+    return _size(flops, examples), _size(moved, examples)
 
 
 def recompute_seconds(region: Region, rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:
