@@ -54,6 +54,10 @@ class Builder(Protocol):
     def finish(self, result: Result) -> None:
         """Carry the applied recompute and compromise plans into the backend's graph."""
 
+    def simulate(self, graph: Graph) -> int:
+        """The peak the backend will reach running `graph` (its order, its allocator), in
+        bytes: what a budget is checked against."""
+
 
 @dataclass
 class Rewrite:
@@ -152,29 +156,72 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
     return done
 
 
-MAX_TIGHTENINGS = 4
+MAX_PROBES = 8         # rewrites simulated while searching the planner's budget
 
 
 def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tuple[str, ...],
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
-    """Plan with the budget, apply, simulate the rewritten graph; while its estimated peak is
-    over the budget (plans interact: the additive model was optimistic), plan again with the
-    overshoot taken off the budget."""
-    from .budget import choose, memory_curve
+    """The planner's additive model chooses; the backend's simulation (its order, its allocator)
+    judges. The largest model budget whose rewrite the backend simulates within the user's
+    budget is found by bisection between the model's lowest reachable peak and the original's
+    (the first probe is the user's budget itself, which is the answer when the two agree)."""
+    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, reach
 
-    margin, done = 0, None
-    for _ in range(MAX_TIGHTENINGS):
+    builder.start()
+    budget = parse_budget(budget)
+    original_peak = builder.simulate(builder.current(True))
+    if budget.fraction is not None:     # of the original's peak as the backend will run it
+        budget = Budget(bytes=max(1, int(budget.fraction * original_peak)))
+    target = budget.bytes
+    planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
+    original, lowest = reach(planning, builder.current(False), device)
+
+    def probe(model_budget: int) -> Rewrite:
         builder.start()
         planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
-        choice = choose(planning, builder.current(False), budget, device, margin)
+        choice = choose(planning, builder.current(False), Budget(bytes=max(1, model_budget)), device)
+        choice.budget = target
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
-        done.choice = choice
-        done.simulated_peak = memory_curve(done.result.graph, rules.views).peak
-        over = done.simulated_peak - choice.budget
-        if over <= 0 or not choice.selection:
+        done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
+        return done
+
+    def everything() -> Rewrite:
+        """Every plan the rules offer (what `remat apply` does without a budget): the lowest peak."""
+        builder.start()
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded)
+        done.simulated_peak = builder.simulate(done.result.graph)
+        results = [r for r in (done.chunk_result, done.result) if r is not None]
+        plans = [p for r in results for p in r.planning.plans if p.requested]
+        annotate_costs(Planning(done.result.graph, rules, done.result.planning.analysis, plans), device)
+        selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
+        done.choice = Choice(target, original_peak, done.simulated_peak,
+                             sum(p.extra_seconds or 0.0 for p in plans), selection)
+        return done
+
+    lo, hi, floor = lowest, max(original, lowest), None
+    first = min(max(target, lo), hi)
+    done = probe(first)
+    if done.simulated_peak <= target:
+        best, lo = done, first
+    else:
+        hi = first
+        best = everything()
+        if best.simulated_peak > target:
+            raise BudgetError(target, best.simulated_peak, original_peak)
+        lo = min(lo, first)
+        floor = best
+    for _ in range(MAX_PROBES):
+        if hi - lo <= max(target // 100, 1):
             break
-        margin += over
-    return done
+        mid = (lo + hi) // 2
+        done = probe(mid)
+        if done.simulated_peak <= target:
+            best, lo = done, mid
+        else:
+            hi = mid
+    if best is not done:        # the builder holds the last probe's graph: rebuild the best one
+        best = everything() if best is floor else probe(lo)
+    return best
 
 
 def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],

@@ -64,8 +64,9 @@ class FxBuilder:
 
     built_as = "invoke_subgraph calls"
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, views: frozenset[str] = frozenset()):
         self.graph = graph
+        self.views = views
         self.owner = graph.owning_module
         self.work: fx.GraphModule | None = None
         self.two_phase = False
@@ -90,6 +91,14 @@ class FxBuilder:
                 for node in region.nodes:
                     for name in node.backend_nodes or [node.name]:
                         by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def simulate(self, graph: Graph) -> int:
+        """The joint graph's peak in schedule order, views aliased (the partitioner and
+        Inductor reorder within it; this is the planner's estimate, not a measurement)."""
+        from engine.analysis import simulate_peak
+
+        views = self.views | {n.op for n in graph.nodes if n.native_op in self.views}   # aten::permute
+        return simulate_peak(graph, alias_ops=views).peak_bytes or 0
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept)."""
@@ -158,7 +167,7 @@ class RematPass(CustomGraphPass):
         owner = graph.owning_module
         if owner is not None and owner.meta.get("produced_by_chunker"):
             return      # a chunk's body: Inductor runs the joint passes on it too
-        builder = FxBuilder(graph)
+        builder = FxBuilder(graph, self.rules.views)
         try:
             device = None if self.budget is None else profile_for(self.device or _device_of(graph))
             try:

@@ -39,6 +39,12 @@ class OnnxBuilder:
     def finish(self, result: Result) -> None:
         pass
 
+    def simulate(self, graph: Graph) -> int:
+        """ONNX Runtime's peak above rest on the CPU: its order, rewrites and allocator."""
+        from .ort_order import estimated_ort_peak
+
+        return estimated_ort_peak(graph).peak_bytes or 0
+
 
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
                 tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,

@@ -28,7 +28,7 @@ from .solve import Option, lowest_peak, solve
 from .spec import Budget, parse_budget
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
-           "choose", "memory_curve", "pareto", "parse_budget", "preset"]
+           "choose", "memory_curve", "pareto", "parse_budget", "preset", "reach"]
 
 SLICE_MENU = (2, 4, 8, 16, 32, 64)
 
@@ -116,6 +116,13 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
     return options, conflicts
 
 
+def reach(planning: Planning, graph: Graph, device: DeviceProfile | None = None) -> tuple[int, int]:
+    """(the original's peak, the lowest peak the plans reach), by the planner's additive model."""
+    curve = memory_curve(graph, planning.rules.views)
+    options, conflicts = options_for(planning, curve, device or PRESETS["cpu-default"])
+    return curve.peak, lowest_peak(curve.live, options, conflicts)
+
+
 def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
            device: DeviceProfile | None = None, margin: int = 0) -> Choice:
     """The cheapest set of `planning`'s plans whose estimated peak on `graph` (the graph the
@@ -137,9 +144,10 @@ def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
                   {o.key[0]: o.key[1] for o in chosen}, chosen)
 
 
-def annotate_costs(planning: Planning, device: DeviceProfile) -> None:
+def annotate_costs(planning: Planning, device: DeviceProfile | None = None) -> None:
     """Each plan's estimated extra time, all occurrences applied (chunk regions at the rule's
     slice count), for the plan table."""
+    device = device or PRESETS["cpu-default"]
     rules, examples = planning.rules, planning.graph.dim_examples
     for plan in planning.plans:
         plan.extra_seconds = sum(

@@ -1,0 +1,771 @@
+"""ONNX Runtime's execution order and memory, modelled on the IR: `estimated_ort_peak`.
+
+`estimated_ort_peak(model_or_graph)` is the peak memory of one run of a training graph in a
+default ONNX Runtime session on the CPU, as `backends.onnx.runtime.measure` measures it (VmHWM
+above the resting RSS, CPU arena off). Three parts, each checked against ONNX Runtime 1.32:
+
+Order (`ort_order`). A default session (ExecutionOrder.DEFAULT) runs the nodes in the post-order
+of a depth-first walk (graph_viewer.cc, Graph::ReverseDFSFrom): from the leaves (nodes whose
+outputs no node reads; a graph output is not an edge), the one with the highest node index
+first, and at each node to the producers of its inputs (a Loop's captured values included),
+the one with the highest index first. A node's index is its position in the file, `Constant`s
+not counted; a node ORT's optimizer makes gets the next free index. This is the walk
+backends/onnx/ort_schedule.py writes the graph for (leaves last, in reverse schedule order).
+`ort_view(...).order` is the order ORT's profiler reports, node for node, on the MLP training
+graphs of tests/test_peak_model.py; on the GPT-like step 94% of the nodes sit where ORT runs
+them, the rest being the embedding gradient's index arithmetic (ORT's transpose optimizer moves
+a Transpose there) and which of two merged duplicates keeps its name.
+
+Graph (`ort_view`). Before it runs, ORT rewrites the graph (graph_optimization_level ALL); the
+rewrites that change which tensors exist or how the walk goes are applied to a copy:
+constant folding (nodes whose inputs are all constants, `Shape` of a static shape; their
+results become initializers, which the measured peak does not count; not `CastLike`, which ORT
+cannot fold), identity eliminations (`Identity`, `Expand` to the same shape, `Cast` to the same
+type, `Transpose(Transpose(x))` composed, gone when the identity; a graph output is then written
+by the producer), common-subexpression elimination, and the fusions that make new nodes in
+the order ORT makes them: a 2-D `Transpose` into the `Gemm` reading it, `Add(MatMul(a, w), bias)`
+into a Gemm (MatMulAddFusion), `CastLike` into `Cast`, a `Transpose` of the last two dims into
+the `MatMul` reading it (FusedMatMul). Attention, Gelu or LayerNorm fusions find nothing in the
+graphs torch.onnx and remat write (their ops are fused already) and are not modelled.
+
+Memory (`ort_memory_model`), from ORT's source (allocation_planner.cc, mem_pattern_planner.h,
+execution_frame.cc, loop.cc, where_op.cc) and measured op by op (strace of the run's mmaps with
+MALLOC_MMAP_THRESHOLD_=65536, as `measure` runs it):
+
+* `Reshape`, `Identity`, `Squeeze`, `Unsqueeze`, `Flatten` return views (kernel Alias). The
+  activations that may run in place (Relu, Sigmoid, Tanh, Clip, Softmax, LogSoftmax,
+  ScatterElements, ...) write over their input at its last read; Exp, Gelu, Erf, Neg, Add, Mul,
+  Sub, Div, LayerNormalization, ScatterND do not (ORT_INPLACE_OPS).
+* The allocation planner hands a freed buffer to the next output of exactly the same shape and
+  element size, most recently freed first, when ORT's shape inference knows both shapes; the
+  buffer is then held from its first value to the last read of its last value. ORT does not know
+  the shapes of a Loop's outputs (ONNX's Loop inference does not read the trip count), nor of a
+  `Slice` at a computed offset (a Loop body's), nor what follows from those by ONNX's inference
+  rules (`ort_unknown_shapes`).
+* From the second run on (measure's measured run) the buffers that are not graph outputs lie in
+  one block allocated at the start of the run, at the offsets the memory pattern planner chose
+  in the first run: best fit among the gaps between placed blocks, else after the highest one,
+  sizes rounded to 64 bytes. Its pages stay resident once touched: it counts with its
+  high-water mark.
+* Graph outputs are allocated apart and held to the end; so are a `SplitToSequence`'s pieces
+  (until the sequence is freed) and the two selections `Where` makes before merging them,
+  broadcast(cond, X) and broadcast(cond, Y), during the node (`ort_transient`).
+* A Loop runs its body with a block of its own per iteration; the body's outputs are allocated
+  apart; each iteration's scan outputs are kept until they are concatenated into the Loop's
+  output, and the carried values are handed to the next iteration (engine.analysis.loop_bytes).
+
+With ORT's own optimized graph and order the simulation reproduces the block's size to the byte
+and the measured peaks of the GPT-like graphs to 0.1%; from the IR, bench/peak_model.py finds
+every estimate of the GPT-like step (vocab 4096 and 32768; original, default tier, expensive
+tier) within 1% of the measured peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
+from engine.dtypes import DType
+from engine.ir import Graph, Node, Value
+
+ORT_ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
+# CPU kernels that write their output over input 0 when it is that input's last use and the sizes
+# match (KernelDef MayInplace); measured one by one: Exp, Mul, Add, Sub, Div, Gelu, Erf, Neg,
+# LayerNormalization, ScatterND, Gemm's C do not.
+ORT_INPLACE_OPS = frozenset({"Relu", "Sigmoid", "Tanh", "LeakyRelu", "Elu", "Selu", "Softplus", "Softsign",
+                             "HardSigmoid", "ThresholdedRelu", "Clip", "Softmax", "LogSoftmax",
+                             "ScatterElements", "Scatter"})
+ORT_ALIGNMENT = 64          # kAllocAlignment: the memory pattern planner's sizes are rounded to it
+
+# Folded when its input's shape is static (ORT's constant folding).
+_SHAPE_ONLY = frozenset({"Shape"})     # not Size: ORT folds Shape only
+# Never folded: their result is not a function of their inputs.
+_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                               "Multinomial", "Bernoulli", "Dropout"})
+
+
+# No CPU kernel: ORT cannot fold these (it turns CastLike into Cast later, see _castlike_to_cast).
+_NOT_FOLDED = frozenset({"CastLike"})
+
+
+def ort_indices(graph: Graph) -> dict[int, int]:
+    """ORT's node index of each node of `graph` (keyed by id): its position in the file,
+    `Constant` nodes not counted."""
+    index, k = {}, 0
+    for node in graph.nodes:
+        if node.op == "Constant":
+            continue
+        index[id(node)] = k
+        k += 1
+    return index
+
+
+def ort_order(graph: Graph, index: dict[int, int] | None = None,
+              skip: set[int] | frozenset[int] = frozenset()) -> list[Node]:
+    """The nodes of `graph` in the order a default ONNX Runtime session runs them: the
+    post-order of a depth-first walk from the leaves, highest index first (see the module
+    docstring). `index` defaults to `ort_indices` (the graph as written, before ORT's own
+    rewrites; `ort_view` gives the graph after them); nodes in `skip` (ids) and `Constant`s
+    are not run."""
+    index = ort_indices(graph) if index is None else index
+    nodes = [n for n in graph.nodes if id(n) in index and id(n) not in skip and n.op != "Constant"]
+    members = {id(n) for n in nodes}
+    producer = {id(o): n for n in nodes for o in n.outputs}
+    inputs_of: dict[int, list[Node]] = {}
+    has_consumer: set[int] = set()
+    for n in nodes:
+        ins = []
+        for v in n.reads():
+            p = producer.get(id(v))
+            if p is not None and id(p) in members:
+                ins.append(p)
+                has_consumer.add(id(p))
+        inputs_of[id(n)] = sorted(ins, key=lambda p: index[id(p)])
+    leaves = sorted((n for n in nodes if id(n) not in has_consumer), key=lambda n: index[id(n)])
+    stack: list[tuple[Node, bool]] = [(n, False) for n in leaves]
+    visited: set[int] = set()
+    order: list[Node] = []
+    while stack:
+        node, leave = stack.pop()
+        if leave:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        for p in inputs_of[id(node)]:
+            if id(p) not in visited:
+                stack.append((p, False))
+    return order
+
+
+@dataclass
+class OrtView:
+    """A graph as ONNX Runtime runs it: a rewritten copy, ORT's node indices, the order its walk
+    runs the nodes in, and the values whose shape ORT's planner does not know."""
+
+    graph: Graph
+    index: dict[int, int]
+    order: list[Node]
+    unknown_shape: set[int] = field(default_factory=set)
+    orders: dict[int, list[Node]] = field(default_factory=dict)   # id(subgraph) -> its order
+
+
+def ort_view(graph: Graph) -> OrtView:
+    """ORT's rewrites of `graph` (a copy; `graph` is the graph as written, nodes in file order),
+    its node indices and execution order, in every subgraph too."""
+    work = graph.copy()
+    view = OrtView(work, {}, [], set())
+    _rewrite(work, view, set())
+    return view
+
+
+def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
+    index = ort_indices(graph)
+    next_index = len(index)
+    constant = set(outer_constant) | {id(v) for v in graph.initializers}
+    folded: set[int] = set()
+    for node in graph.nodes:
+        if node.op == "Constant":
+            constant.update(id(o) for o in node.outputs)
+            folded.add(id(node))
+        elif (not node.subgraphs and node.op_type not in _NONDETERMINISTIC and node.op_type not in _NOT_FOLDED
+              and (all(id(v) in constant for v in node.present_inputs())
+                   or (node.op_type in _SHAPE_ONLY and node.inputs and node.inputs[0] is not None
+                       and _static(node.inputs[0])))):
+            constant.update(id(o) for o in node.outputs)
+            folded.add(id(node))
+    for v in graph.values():
+        if id(v) in constant and not v.is_input:
+            v.is_initializer = True
+    graph.nodes = [n for n in graph.nodes if id(n) not in folded]
+    graph.link()
+
+    _eliminate(graph)
+    _merge_common(graph)
+    # Fusions that make new nodes (the next free indices), in the order ORT's transformers run
+    # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes), each visiting
+    # the nodes in the order of the walk.
+    next_index = _fuse_transposes(graph, index, next_index, ("Gemm",))
+    next_index = _fuse_matmul_add(graph, index, next_index)
+    next_index = _castlike_to_cast(graph, index, next_index)
+    next_index = _fuse_transposes(graph, index, next_index, ("MatMul", "com.microsoft::FusedMatMul"))
+
+    order = ort_order(graph, index)
+    unknown = ort_unknown_shapes(graph, order, outer_unknown)
+    view.unknown_shape |= set(unknown)
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            _rewrite(sub, view, constant, unknown)
+    graph.link()        # a subgraph's link() cleared the users of the outer values it reads
+    view.index.update(index)
+    view.orders[id(graph)] = order
+    if graph is view.graph:
+        view.order = order
+
+
+def _drop(graph: Graph, node: Node, keep: Value, gone: Value) -> None:
+    """Remove `node`, whose output `gone` equals its input `keep`: readers read `keep`. A graph
+    output cannot be renamed, so then `keep`'s producer writes `gone` instead, if `keep` has
+    no other reader and is neither an input nor an output (ORT's identity elimination)."""
+    outputs = {id(v) for v in graph.outputs}
+    if id(gone) in outputs:
+        p = keep.producer
+        if p is None or len(keep.users) != 1 or id(keep) in outputs or keep.is_input:
+            return
+        p.outputs = [gone if o is keep else o for o in p.outputs]
+        graph.nodes = [n for n in graph.nodes if n is not node]
+        graph.link()
+        return
+    graph.nodes = [n for n in graph.nodes if n is not node]
+    for user in list(gone.users):
+        user.replace_input(gone, keep)
+    graph.link()
+
+
+def _eliminate(graph: Graph) -> None:
+    """ORT's eliminations: `Identity`, `Expand` to the same shape, `Cast` to the same type, a
+    `Transpose` of a `Transpose` (composed into one; gone when that is the identity)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node not in graph.nodes:
+                continue
+            out = node.outputs[0] if node.outputs else None
+            src = node.inputs[0] if node.inputs else None
+            if out is None or src is None:
+                continue
+            if node.op == "Transpose" and src.producer is not None and src.producer.op == "Transpose" \
+                    and _perm(node) and _perm(src.producer):
+                inner = src.producer
+                p1, p2 = _perm(inner), _perm(node)
+                node.inputs = [inner.inputs[0]]
+                node.attrs["perm"] = [p1[p] for p in p2]
+                if len(src.users) == 1 and all(v is not src for v in graph.outputs):
+                    graph.nodes = [n for n in graph.nodes if n is not inner]
+                graph.link()
+                changed = True
+                continue
+            same = (node.op == "Identity"
+                    or (node.op == "Expand" and _static(src) and _static(out) and tuple(src.shape) == tuple(out.shape))
+                    or (node.op == "Cast" and src.dtype is not DType.UNKNOWN and node.attrs.get("to") == src.dtype)
+                    or (node.op == "Transpose" and _perm(node) == list(range(len(_perm(node) or []))) and _perm(node)))
+            if same:
+                before = len(graph.nodes)
+                _drop(graph, node, src, out)
+                changed = changed or len(graph.nodes) != before
+
+
+def _merge_common(graph: Graph) -> None:
+    """ORT's common-subexpression elimination: a node with the op, attributes and inputs (the same
+    values) of an earlier one is dropped and its readers read the earlier one's outputs. (remat's
+    recompute clones read their inputs through `Reshape(x, Shape(x))` views to stay apart.)"""
+    outputs = {id(v) for v in graph.outputs}
+    seen: dict[tuple, Node] = {}
+    keep = []
+    for node in graph.nodes:
+        key = None
+        if not node.subgraphs and node.op_type not in _NONDETERMINISTIC and node.outputs \
+                and not any(id(o) in outputs for o in node.outputs):
+            try:
+                key = (node.op, tuple(id(v) if v is not None else None for v in node.inputs),
+                       repr(sorted(node.attrs.items())), len(node.outputs))
+            except Exception:
+                key = None
+        first = seen.get(key) if key is not None else None
+        if first is None:
+            if key is not None:
+                seen[key] = node
+            keep.append(node)
+            continue
+        for mine, theirs in zip(node.outputs, first.outputs):
+            for user in list(mine.users):
+                user.replace_input(mine, theirs)
+    if len(keep) != len(graph.nodes):
+        graph.nodes = keep
+        graph.link()
+
+
+def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> int:
+    """ORT's MatMulAddFusion: `Add(MatMul(a, w), bias)`, w 2-D, bias [N] or [1, N], the product read
+    by the Add alone, becomes a Gemm (a of rank > 2 flattened to 2-D before it and the result
+    reshaped after it: views). Three new nodes, new indices; the product is no longer a tensor."""
+    outputs = {id(v) for v in graph.outputs}
+    for node in ort_order(graph, index):
+        if node.op != "Add" or node not in graph.nodes:
+            continue
+        for slot in (0, 1):
+            mm_out, bias = node.inputs[slot], node.inputs[1 - slot]
+            mm = mm_out.producer if mm_out is not None else None
+            if (mm is None or mm.op != "MatMul" or len(mm_out.users) != 1 or id(mm_out) in outputs
+                    or bias is None or bias.shape is None):
+                continue
+            a, w = mm.inputs
+            if a is None or w is None or not _static(a) or not _static(w) or len(w.shape) != 2 \
+                    or len(a.shape) < 2 or not _static(node.outputs[0]):
+                continue
+            n = w.shape[1]
+            if tuple(bias.shape) not in ((n,), (1, n)):
+                continue
+            rows = 1
+            for d in a.shape[:-1]:
+                rows *= d
+            out = node.outputs[0]
+            if len(a.shape) == 2:
+                fused = [Node("Gemm", [a, w, bias], [out], {}, f"{mm.name}/MatMulAddFusion")]
+            else:
+                flat = Value(f"{a.name}_gemm_input", a.dtype, (rows, a.shape[-1]))
+                product = Value(f"{out.name}_gemm_output", out.dtype, (rows, n))
+                fused = [Node("Reshape", [a, _shape_const(graph, flat)], [flat], {}, "gemm_input_reshape"),
+                         Node("Gemm", [flat, w, bias], [product], {}, f"{mm.name}/MatMulAddFusion"),
+                         Node("Reshape", [product, _shape_const(graph, out)], [out], {}, "gemm_output_reshape")]
+            at = graph.nodes.index(node)
+            graph.nodes[at:at + 1] = fused
+            graph.nodes = [n_ for n_ in graph.nodes if n_ is not mm]
+            for f in fused:
+                index[id(f)] = next_index
+                next_index += 1
+            graph.link()
+            break
+    return next_index
+
+
+def _shape_const(graph: Graph, like: Value) -> Value:
+    v = Value(f"{like.name}_shape", DType.INT64, (len(like.shape),), is_initializer=True)
+    v.ints = [int(d) for d in like.shape]
+    graph.initializers.append(v)
+    return v
+
+
+def _castlike_to_cast(graph: Graph, index: dict[int, int], next_index: int) -> int:
+    """`CastLike(x, like)` becomes `Cast(x, to=like's type)`, a new node (new index) that no longer
+    waits for `like`; made after constant folding, it is not folded even when x is a constant."""
+    for node in ort_order(graph, index):
+        if node.op != "CastLike" or len(node.inputs) < 2 or node.inputs[1] is None \
+                or node.inputs[1].dtype is DType.UNKNOWN:
+            continue
+        cast = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype}, "")
+        graph.nodes = [cast if n is node else n for n in graph.nodes]
+        index[id(cast)] = next_index
+        next_index += 1
+        graph.link()
+    return next_index
+
+
+def _fuse_transposes(graph: Graph, index: dict[int, int], next_index: int, ops: tuple[str, ...]) -> int:
+    """A `Transpose` swapping the last two dims (2-D for Gemm), read only by a matmul, folded into
+    it: a new Gemm or FusedMatMul with transA/transB, and a new index."""
+    outputs = {id(v) for v in graph.outputs}
+    order = ort_order(graph, index)
+    for node in order:
+        if node.op not in ops:
+            continue
+        attrs = dict(node.attrs)
+        inputs = list(node.inputs)
+        dropped = []
+        for slot, flag in ((0, "transA"), (1, "transB")):
+            v = inputs[slot] if slot < len(inputs) else None
+            t = v.producer if v is not None else None
+            if (t is None or t.op != "Transpose" or len(v.users) != 1 or id(v) in outputs
+                    or not _swaps_last_two(t) or (node.op == "Gemm" and len(_perm(t)) != 2)):
+                continue
+            inputs[slot] = t.inputs[0]
+            attrs[flag] = 1 - int(attrs.get(flag, 0))
+            dropped.append(t)
+        if not dropped:
+            continue
+        op = "Gemm" if node.op == "Gemm" else "com.microsoft::FusedMatMul"
+        suffix = "GemmTransposeFusion" if op == "Gemm" else "MatmulTransposeFusion"
+        fused = Node(op, inputs, node.outputs, attrs, f"{node.name}/{suffix}/")
+        graph.nodes = [fused if n is node else n for n in graph.nodes if all(n is not t for t in dropped)]
+        index[id(fused)] = next_index
+        next_index += 1
+        graph.link()
+    return next_index
+
+
+def _loop_shapes(node: Node, examples: dict[str, int]) -> None:
+    """A Loop's output shapes, which ONNX inference leaves symbolic (it does not read the trip
+    count): a carried value has its body output's shape, a scan output the trip count on top."""
+    body = node.subgraphs.get("body")
+    if node.op_type != "Loop" or body is None or not node.inputs or node.inputs[0] is None:
+        return
+    trip = node.inputs[0].ints
+    carried = max(0, len(node.inputs) - 2)
+    for k, out in enumerate(node.outputs):
+        inner = body.outputs[1 + k] if 1 + k < len(body.outputs) else None
+        dims = _dims(inner, examples)
+        if dims is None or _evaluable(out, examples):
+            continue
+        if k < carried:
+            out.shape = dims
+        elif trip:
+            out.shape = (int(trip[0]), *dims)
+
+
+def _perm(node: Node) -> list[int] | None:
+    perm = node.attrs.get("perm")
+    if perm is None:
+        src = node.inputs[0] if node.inputs else None
+        if src is None or src.shape is None:
+            return None
+        return list(range(len(src.shape)))[::-1]
+    return [int(p) for p in perm]
+
+
+def _swaps_last_two(node: Node) -> bool:
+    perm = _perm(node)
+    if not perm or len(perm) < 2:
+        return False
+    n = len(perm)
+    return perm[:n - 2] == list(range(n - 2)) and perm[n - 2:] == [n - 1, n - 2]
+
+
+def _static(v: Value) -> bool:
+    return v.shape is not None and all(isinstance(d, int) for d in v.shape)
+
+
+# Inputs (by position) that ONNX shape inference reads as data: when one is not a constant, the
+# output's dims are unknown (a Loop body slices at `iteration * size`).
+_SHAPE_DATA_INPUTS = {"Slice": (1, 2, 3, 4), "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Range": (0, 1, 2),
+                      "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "TopK": (1,), "OneHot": (1,),
+                      "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,),
+                      "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "CenterCropPad": (1,)}
+_SAME_DIMS = frozenset({"Relu", "Sigmoid", "Tanh", "Gelu", "Erf", "Exp", "Log", "Neg", "Sqrt", "Reciprocal", "Abs",
+                        "Not", "Cast", "CastLike", "Identity", "Softmax", "LogSoftmax", "Clip", "LeakyRelu",
+                        "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Floor", "Ceil", "Round", "Sign"})
+_BROADCASTS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual",
+                         "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Mod", "PRelu"})
+
+Dims = tuple  # of int | None (unknown) per axis; None for an unknown rank
+
+
+def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] | None = None) -> dict[int, Dims]:
+    """The dims ORT's shape inference gives each value (None where a dim is unknown), for the
+    values whose shape it does not fully know; its allocation planner never reuses a buffer for
+    them nor writes one in place (it compares shapes, not sizes). Unknown: a Loop's outputs
+    (ONNX's Loop inference does not read the trip count), sequences, an op's output whose dims
+    come from a computed input (a Loop body's `Slice` at `iteration * size`); and what ONNX's
+    inference rules carry them into: an elementwise op knows an axis when an input has a size
+    above 1 there, a matmul takes M from A and N from B, a `Reshape` to a constant shape of
+    positive dims knows it all. `outer`: the enclosing graphs' unknown values."""
+    known: dict[int, Dims] = dict(outer or {})
+
+    def dims(v: Value | None) -> Dims:
+        if v is None:
+            return ()
+        if id(v) in known:
+            return known[id(v)]
+        return None if v.shape is None else tuple(v.shape)
+
+    def constant(v: Value) -> bool:
+        return v.is_initializer or (v.ints is not None and v.producer is None)
+
+    for node in order:
+        op = node.op_type
+        outs = list(node.outputs)
+        if not outs:
+            continue
+        ir = outs[0].shape
+        rank_unknown = None if ir is None else (None,) * len(ir)
+        if op == "Loop" or op in ("SplitToSequence", "SequenceConstruct", "SequenceEmpty"):
+            for o in outs:
+                known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+            continue
+        data_inputs = _SHAPE_DATA_INPUTS.get(op, ())
+        if any(k < len(node.inputs) and node.inputs[k] is not None and not constant(node.inputs[k])
+               for k in data_inputs):
+            for o in outs:
+                known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+            continue
+        ins = [dims(v) for v in node.inputs]
+        result: Dims | bool = True        # True: as the IR says, if every input is fully known
+        if op in _SAME_DIMS or op in ("ScatterElements", "ScatterND", "Scatter", "LayerNormalization"):
+            result = ins[0] if ins else True
+        elif op == "GatherElements" and len(ins) > 1:
+            result = ins[1]
+        elif op in _BROADCASTS and all(d is not None for d in ins):
+            result = _broadcast_known(ins)
+        elif op in ("MatMul", "FusedMatMul") and len(ins) >= 2 and ins[0] is not None and ins[1] is not None \
+                and len(ins[0]) >= 2 and len(ins[1]) >= 2:
+            a, b = list(ins[0]), list(ins[1])
+            if node.attrs.get("transA"):
+                a[-2:] = a[-2:][::-1]
+            if node.attrs.get("transB"):
+                b[-2:] = b[-2:][::-1]
+            batch = _broadcast_known([tuple(a[:-2]), tuple(b[:-2])])
+            result = (*batch, a[-2], b[-1])
+        elif op == "Gemm" and len(ins) >= 2 and ins[0] is not None and ins[1] is not None:
+            m = ins[0][1] if node.attrs.get("transA") else ins[0][0]
+            n = ins[1][0] if node.attrs.get("transB") else ins[1][1]
+            result = (m, n)
+        elif op == "Transpose" and ins and ins[0] is not None:
+            perm = node.attrs.get("perm") or list(range(len(ins[0])))[::-1]
+            result = tuple(ins[0][p] for p in perm)
+        elif op in ("Reshape", "Expand", "ConstantOfShape"):
+            shape = node.inputs[0] if op == "ConstantOfShape" else node.inputs[1]
+            target = shape.ints if shape is not None else None
+            if target is not None and op == "Reshape" and ins[0] is not None:
+                result = _reshape_known(ins[0], list(target))
+            elif target is not None and all(d > 0 for d in target):
+                result = tuple(target) if op != "Expand" else _broadcast_known([ins[0], tuple(target)])
+        if result is True:
+            data = [d for v, d in zip(node.inputs, ins) if v is not None and not v.is_initializer]
+            if any(d is None or any(x is None for x in d) for d in data):
+                for o in outs:
+                    known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+        elif result is None or any(x is None for x in result):
+            known[id(outs[0])] = result if result is not None else rank_unknown
+            for o in outs[1:]:
+                known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+    return {k: v for k, v in known.items() if v is None or any(x is None for x in v)}
+
+
+def _reshape_known(src: Dims, target: list[int]) -> Dims:
+    """ONNX's Reshape inference: 0 copies the input's dim, -1 is inferred when the input's dims
+    are all known."""
+    out = [src[k] if d == 0 and k < len(src) else d for k, d in enumerate(target)]
+    if -1 in out:
+        rest = [d for d in out if d != -1]
+        if all(isinstance(d, int) for d in src) and all(d is not None for d in rest):
+            total = 1
+            for d in src:
+                total *= d
+            part = 1
+            for d in rest:
+                part *= d
+            out[out.index(-1)] = total // max(part, 1)
+        else:
+            out[out.index(-1)] = None
+    return tuple(out)
+
+
+def _broadcast_known(shapes: list[Dims]) -> Dims:
+    """ONNX's broadcast inference over dims that may be unknown (None)."""
+    n = max(len(s) for s in shapes)
+    padded = [(1,) * (n - len(s)) + tuple(s) for s in shapes]
+    out = []
+    for col in zip(*padded):
+        sized = [d for d in col if d is not None and d != 1]
+        if sized:
+            out.append(sized[0])
+        elif all(d == 1 for d in col):
+            out.append(1)
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def ort_transient(node: Node, examples: dict[str, int]) -> int:
+    """Bytes an ONNX Runtime CPU kernel allocates for itself during its step: `Where` makes the
+    selections broadcast(cond, X) and broadcast(cond, Y) before it merges them (where_op.cc)."""
+    if node.op != "Where" or len(node.inputs) != 3 or any(v is None for v in node.inputs):
+        return 0
+    cond, x, y = (_dims(v, examples) for v in node.inputs)
+    item = node.inputs[1].dtype.itemsize
+    total = 0
+    for side in (x, y):
+        if cond is not None and side is not None:
+            n = 1
+            for d in _broadcast_dims(cond, side):
+                n *= d
+            total += n * item
+    return total
+
+
+def ort_memory_model(view: OrtView) -> MemoryModel:
+    """ONNX Runtime's placement of tensors (see the module docstring), for `simulate_peak` on
+    `view.graph` in `view.order`."""
+    examples = view.graph.dim_examples
+
+    def sequence(v: Value) -> bool:
+        return v.dtype is DType.UNKNOWN and v.producer is not None and v.producer.op_type == "SplitToSequence"
+
+    def size_of(v: Value) -> int | None:
+        """A sequence holds its pieces: the bytes of the tensor it was split from."""
+        if sequence(v) and v.producer.inputs and v.producer.inputs[0] is not None:
+            dims = _dims(v.producer.inputs[0], examples)
+            if dims is not None:
+                n = 1
+                for d in dims:
+                    n *= d
+                return n * v.producer.inputs[0].dtype.itemsize
+        return None
+
+    return MemoryModel(alias_ops=ORT_ALIAS_OPS, inplace_ops=ORT_INPLACE_OPS, reuse_same_shape=True, arena=True,
+                       alignment=ORT_ALIGNMENT, outputs_in_arena=False,
+                       transient=lambda node, size: ort_transient(node, examples), size_of=size_of,
+                       apart=sequence, known_shape=lambda v: id(v) not in view.unknown_shape and v.shape is not None,
+                       order_of=lambda sub: view.orders.get(id(sub), sub.nodes))
+
+
+def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph:
+    """The IR of the file ONNX Runtime would load: a model or path as it is, an IR graph as
+    `export_model` writes it (scheduled for ORT, recompute barriers), read back. ONNX shape
+    inference cannot follow everything remat writes (a Loop body's `Slice` at a computed
+    offset, `Reshape(x, Shape(x))`): an IR graph's own shapes are kept by name, and what is
+    still unknown is inferred here for the ops these graphs use (`fill_shapes`)."""
+    from .exporter import export_model
+    from .importer import import_model
+
+    if isinstance(model_or_graph, Graph):
+        source = model_or_graph
+        graph = import_model(export_model(source))
+        known = {v.name: v for v in _all_values(source)}
+        for v in _all_values(graph):
+            if _evaluable(v, graph.dim_examples):
+                continue
+            twin = known.get(v.name)
+            if twin is None and v.name.endswith("_rc_view"):
+                twin = known.get(v.name[:-len("_rc_view")])
+            if twin is not None and twin.shape is not None and twin.dtype is v.dtype:
+                v.shape = tuple(twin.shape)
+    else:
+        graph = import_model(model_or_graph)
+    fill_shapes(graph, graph.dim_examples)
+    return graph
+
+
+def _all_values(graph: Graph):
+    yield from graph.values()
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            yield from _all_values(sub)
+
+
+def _evaluable(v: Value, examples: dict[str, int]) -> bool:
+    from engine.shapes import evaluate
+
+    return v.shape is not None and all(evaluate(d, examples) is not None for d in v.shape)
+
+
+def _dims(v: Value | None, examples: dict[str, int]) -> tuple[int, ...] | None:
+    from engine.shapes import evaluate
+
+    if v is None or v.shape is None:
+        return None
+    dims = [evaluate(d, examples) for d in v.shape]
+    return None if any(d is None for d in dims) else tuple(int(d) for d in dims)
+
+
+def _broadcast_dims(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    n = max(len(s) for s in shapes)
+    padded = [(1,) * (n - len(s)) + tuple(s) for s in shapes]
+    return tuple(max(col) for col in zip(*padded))
+
+
+def fill_shapes(graph: Graph, examples: dict[str, int]) -> int:
+    """Static shapes, where the IR has none or dims without a value, for the outputs of the ops
+    remat's graphs use (Slice between offsets `s` and `s + size`, `Reshape` to `Shape(x)` or to
+    a constant, matmuls, broadcasts, transposes, sequences, Loops); in subgraphs too. Returns
+    how many values it filled."""
+    filled = 0
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            filled += fill_shapes(sub, examples)
+        _loop_shapes(node, examples)
+        src = node.inputs[0] if node.inputs else None
+        if node.op in ORT_ALIAS_OPS and src is not None and src.ints is not None and node.outputs[0].ints is None:
+            node.outputs[0].ints = list(src.ints)        # a constant seen through a view (CSE barriers)
+        if all(_evaluable(o, examples) for o in node.outputs):
+            continue
+        shape = _infer(node, examples)
+        if shape is None:
+            continue
+        out = node.outputs[0]
+        if not _evaluable(out, examples):
+            out.shape = shape
+            filled += 1
+    return filled
+
+
+def _infer(node: Node, examples: dict[str, int]) -> tuple[int, ...] | None:
+    ins = [_dims(v, examples) for v in node.inputs]
+    op = node.op_type
+    if op in _SAME_DIMS and ins and ins[0] is not None:
+        return ins[0]
+    if op in _BROADCASTS and ins and all(s is not None for s in ins):
+        return _broadcast_dims(*ins)
+    if op == "Transpose" and ins[0] is not None:
+        perm = node.attrs.get("perm") or list(range(len(ins[0])))[::-1]
+        return tuple(ins[0][p] for p in perm)
+    if op in ("MatMul", "FusedMatMul") and len(ins) >= 2 and ins[0] is not None and ins[1] is not None:
+        a, b = list(ins[0]), list(ins[1])
+        if node.attrs.get("transA"):
+            a[-2:] = a[-2:][::-1]
+        if node.attrs.get("transB"):
+            b[-2:] = b[-2:][::-1]
+        if len(a) == 1 or len(b) == 1:
+            return None
+        batch = _broadcast_dims(tuple(a[:-2]), tuple(b[:-2])) if len(a) > 2 or len(b) > 2 else ()
+        return (*batch, a[-2], b[-1])
+    if op == "Gemm" and ins[0] is not None and ins[1] is not None:
+        m = ins[0][1] if node.attrs.get("transA") else ins[0][0]
+        n = ins[1][0] if node.attrs.get("transB") else ins[1][1]
+        return (m, n)
+    if op == "Reshape" and ins[0] is not None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        target = node.inputs[1]
+        if target.producer is not None and target.producer.op == "Shape" and \
+                _dims(target.producer.inputs[0], examples) is not None:
+            return _dims(target.producer.inputs[0], examples)
+        if target.ints is not None:
+            dims = [ins[0][k] if d == 0 else d for k, d in enumerate(target.ints)]
+            if -1 in dims:
+                known = 1
+                for d in dims:
+                    if d != -1:
+                        known *= d
+                total = 1
+                for d in ins[0]:
+                    total *= d
+                dims[dims.index(-1)] = total // max(known, 1)
+            return tuple(dims)
+    if op == "Slice" and ins[0] is not None and len(node.inputs) >= 3:
+        starts, ends = node.inputs[1], node.inputs[2]
+        axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        width = None
+        if ends is not None and ends.producer is not None and ends.producer.op == "Add":
+            for a, b in (ends.producer.inputs, ends.producer.inputs[::-1]):
+                if a is starts and b is not None and b.ints and len(b.ints) == 1:
+                    width = b.ints[0]
+        if width is not None and axes and len(axes) == 1:
+            dims = list(ins[0])
+            dims[axes[0] % len(dims)] = width
+            return tuple(dims)
+    if op == "SequenceAt" and node.inputs[0] is not None and node.inputs[0].producer is not None:
+        split = node.inputs[0].producer
+        src = _dims(split.inputs[0], examples) if split.op_type == "SplitToSequence" else None
+        pos = node.inputs[1].ints if node.inputs[1] is not None else None
+        sizes = split.inputs[1].ints if len(split.inputs) > 1 and split.inputs[1] is not None else None
+        if src is not None and pos and sizes and len(sizes) > 1:
+            axis = split.attrs.get("axis", 0) % len(src)
+            dims = list(src)
+            dims[axis] = sizes[pos[0]]
+            return tuple(dims)
+    if op == "Expand" and ins[0] is not None and node.inputs[1] is not None and node.inputs[1].ints:
+        return _broadcast_dims(ins[0], tuple(node.inputs[1].ints))
+    if op in ("ReduceSum", "ReduceMean", "ReduceMax") and ins[0] is not None:
+        axes = node.inputs[1].ints if len(node.inputs) > 1 and node.inputs[1] is not None else node.attrs.get("axes")
+        if axes is None:
+            return None
+        keep = node.attrs.get("keepdims", 1)
+        axes = {a % len(ins[0]) for a in axes}
+        return tuple(1 if k in axes else d for k, d in enumerate(ins[0]) if keep or k not in axes)
+    if op == "LayerNormalization" and ins[0] is not None:
+        return ins[0]
+    return None
+
+
+def estimated_ort_peak(model_or_graph: Graph | onnx.ModelProto | str | Path) -> PeakEstimate:
+    """Peak memory of one training step in a default ONNX Runtime session on the CPU, above the
+    process's resting memory, as `backends.onnx.runtime.measure` measures it: the graph as
+    written (`written_graph`), rewritten and ordered as ORT does (`ort_view`), simulated with
+    ORT's allocation planner and memory pattern (`ort_memory_model`). The estimate's `order`
+    holds the nodes of the rewritten copy, `curve` the bytes at each of them."""
+    graph = written_graph(model_or_graph)
+    view = ort_view(graph)
+    return simulate_peak(view.graph, view.order, (), ort_memory_model(view))
