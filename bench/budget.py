@@ -32,11 +32,12 @@ from backends.device import profile_for  # noqa: E402
 from backends.models import GPTConfig  # noqa: E402
 from backends.onnx.exporter import export_model  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
+from backends.onnx.ort_order import estimated_ort_peak  # noqa: E402
 from backends.onnx.rewrite import apply_rules  # noqa: E402
 from backends.onnx.runtime import max_relative_error, measure, run  # noqa: E402
 from backends.onnx.torch_export import export_gpt  # noqa: E402
 from dsl.loader import load_rules  # noqa: E402
-from engine.budget import BudgetError, memory_curve  # noqa: E402
+from engine.budget import BudgetError  # noqa: E402
 
 FRACTIONS = (0.9, 0.75, 0.6, 0.5, 0.4)
 MIB = 2 ** 20
@@ -53,7 +54,7 @@ def onnx_sweep(args) -> None:
     rules = load_rules()
     device = profile_for("cpu")
     original = measure(path, feeds, repeats=args.repeats)
-    estimated = memory_curve(graph, rules.views).peak
+    estimated = estimated_ort_peak(graph).peak_bytes
     print(f"ONNX Runtime, GPT-like {cfg}")
     print(f"original: measured {original.peak_mib:.1f} MiB above rest, estimated {estimated / MIB:.1f} MiB, "
           f"step {original.seconds:.3f} s")
