@@ -167,6 +167,9 @@ class RematPass(CustomGraphPass):
         owner = graph.owning_module
         if owner is not None and owner.meta.get("produced_by_chunker"):
             return      # a chunk's body: Inductor runs the joint passes on it too
+        output = next((n for n in graph.nodes if n.op == "output"), None)
+        if output is None or not _flat(output.args):
+            return      # nothing to rewrite (dynamo hands a graph break's empty fragment over too)
         builder = FxBuilder(graph, self.rules.views)
         try:
             device = None if self.budget is None else profile_for(self.device or _device_of(graph))
@@ -209,6 +212,12 @@ class RematPass(CustomGraphPass):
         key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
                f"{self.budget}|{self.device}")
         return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _flat(args) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(args, out.append)
+    return out
 
 
 def _device_of(graph: fx.Graph) -> str:

@@ -225,4 +225,4 @@ def _forward_outputs(output: fx.Node, values: dict, count: int | None) -> list[s
     if count is not None:
         return [values[a].name for a in args[:count]]
     tagged = [values[a].name for a in args if a.meta.get("partitioner_tag") == "is_forward"]
-    return tagged or [values[args[0]].name]
+    return tagged or [values[a].name for a in args[:1]]     # none for a graph with no output

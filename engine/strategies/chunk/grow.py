@@ -338,7 +338,12 @@ class _Grower:
 
         if not late:
             return [phase(nodes)]
-        after = self.downstream({id(v) for v in late})
+        # The backward phase: what reads the late inputs, and what reads the incoming gradient any
+        # other way (a loss beside the region's own output: z-loss reads logsumexp(logits) and
+        # cross-entropy's gradient reads the tangent directly). Left in the forward phase, such a
+        # node would make the forward outputs wait for the gradient.
+        tangent_inputs = {id(v) for v in self.inputs.values() if id(v) in self.tangent_ids}
+        after = self.downstream({id(v) for v in late} | tangent_inputs)
         backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
         forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
         backward_ids = {id(n) for n in backward}
