@@ -13,7 +13,7 @@ from backends.onnx.rewrite import apply_rules
 from backends.onnx.runtime import max_relative_error, run
 from dsl.loader import load_rules
 from engine.budget import BudgetError, choose, parse_budget, preset
-from engine.budget.solve import Option, lowest_peak, solve
+from engine.budget.solve import Option, applied, lowest_peak, solve
 from engine.driver import plan_all
 from engine.errors import ConfigError
 from training_graphs import ACTIVATIONS, Layer, build_mlp
@@ -58,11 +58,7 @@ def test_the_solver_finds_the_brute_force_optimum(ints, budget):
         groups = [o.group for o in chosen]
         if len(groups) != len(set(groups)):
             continue
-        curve = list(live)
-        for o in chosen:
-            for first, last, delta in o.effect:
-                for s in range(first, last + 1):
-                    curve[s] += delta
+        curve = applied(live, chosen)
         if max(curve) <= budget:
             cost = sum(o.seconds for o in chosen)
             best = cost if best is None else min(best, cost)
@@ -114,11 +110,7 @@ def test_a_lower_budget_never_gives_a_higher_estimated_peak_than_a_cheaper_choic
         chosen = solve(live, options, budget)
         if chosen is None:
             break
-        curve = list(live)
-        for o in chosen:
-            for first, end, delta in o.effect:
-                for s in range(first, end + 1):
-                    curve[s] += delta
+        curve = applied(live, chosen)
         peak, cost = max(curve), sum(o.seconds for o in chosen)
         assert peak <= budget
         if last is not None:

@@ -24,7 +24,7 @@ from ..strategies.chunk import ChunkRegion
 from .cost import chunk_seconds, recompute_seconds
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
-from .solve import Option, lowest_peak, solve
+from .solve import Option, applied, lowest_peak, solve
 from .spec import Budget, parse_budget
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
@@ -135,11 +135,7 @@ def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
     chosen = solve(curve.live, options, limit - margin, conflicts)
     if chosen is None:
         raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak)
-    live = list(curve.live)
-    for option in chosen:
-        for first, last, delta in option.effect:
-            for s in range(first, last + 1):
-                live[s] += delta
+    live = applied(curve.live, chosen)
     return Choice(limit, curve.peak, max(live, default=0), sum(o.seconds for o in chosen),
                   {o.key[0]: o.key[1] for o in chosen}, chosen)
 
@@ -178,10 +174,6 @@ def pareto(planning: Planning, graph: Graph, device: DeviceProfile, steps: int =
         chosen = solve(curve.live, options, limit, conflicts)
         if chosen is None:
             continue
-        live = list(curve.live)
-        for option in chosen:
-            for first, last, delta in option.effect:
-                for s in range(first, last + 1):
-                    live[s] += delta
+        live = applied(curve.live, chosen)
         points.append(ParetoPoint(limit, max(live, default=0), sum(o.seconds for o in chosen), curve.peak))
     return points

@@ -24,6 +24,16 @@ class Option:
     effect: list[Interval]
 
 
+def applied(live: list[int], options: list[Option]) -> list[int]:
+    """The curve with the options' effects added, by the additive model."""
+    curve = list(live)
+    for option in options:
+        for first, last, delta in option.effect:
+            for s in range(first, last + 1):
+                curve[s] += delta
+    return curve
+
+
 def _matrix(options: list[Option], rows: list[int]) -> np.ndarray:
     a = np.zeros((len(rows), len(options)))
     for j, option in enumerate(options):
