@@ -173,13 +173,14 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     if budget.fraction is not None:     # of the original's peak as the backend will run it
         budget = Budget(bytes=max(1, int(budget.fraction * original_peak)))
     target = budget.bytes
+    # Planned once: a probe selects sites by (rule, node) name, which every fresh start keeps.
     planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
-    original, lowest = reach(planning, builder.current(False), device)
+    planned_on = builder.current(False)
+    original, lowest = reach(planning, planned_on, device)
 
     def probe(model_budget: int) -> Rewrite:
         builder.start()
-        planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
-        choice = choose(planning, builder.current(False), Budget(bytes=max(1, model_budget)), device)
+        choice = choose(planning, planned_on, Budget(bytes=max(1, model_budget)), device)
         choice.budget = target
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
         done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
