@@ -99,8 +99,9 @@ def cmd_analyze(args) -> int:
     device = profile_for(args.device)
     annotate_costs(planning, device)
     choice = None
-    if args.budget is not None:
-        choice = choose(planning, graph, args.budget, device)
+    budget = _budget(args)
+    if budget is not None:
+        choice = choose(planning, graph, budget, device)
         choice.mark(planning.plans)
     else:
         select(planning.plans, None)
@@ -141,11 +142,12 @@ def cmd_apply(args) -> int:
         _writable_file(str(inputs_target), "-o (its inputs file)")
     graph = _load(args)
     device = None
-    if args.budget is not None:
+    budget = _budget(args)
+    if budget is not None:
         from backends.device import profile_for
 
         device = profile_for(args.device)
-    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args), budget=args.budget,
+    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args), budget=budget,
                           device=device)
     model = export_model(rewrite.graph)
     check_exported(model)
@@ -155,6 +157,15 @@ def cmd_apply(args) -> int:
     print(rewrite.report())
     print(f"\nwrote {args.output}")
     return 0
+
+
+def _budget(args):
+    """--budget or --ratio, as the planner's Budget (None for neither)."""
+    from engine.budget import parse_budget, parse_ratio
+
+    if getattr(args, "ratio", None) is not None:
+        return parse_ratio(args.ratio)
+    return None if args.budget is None else parse_budget(args.budget)
 
 
 def cmd_explain(args) -> int:
@@ -279,9 +290,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _planner(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", metavar="SIZE|FRACTION",
-                   help="the planner chooses the fastest plans whose estimated peak fits: 400MiB, 1.5GiB, "
-                        "or a fraction of the original's estimated peak (0.6)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--budget", metavar="SIZE|FRACTION",
+                       help="the planner chooses the fastest plans whose estimated peak fits: 400MiB, 1.5GiB, "
+                            "or a fraction of the original's estimated peak (0.6)")
+    group.add_argument("--ratio", metavar="R",
+                       help="a budget by layers: recompute the fraction R in (0, 1] of the layers' stashed "
+                            "activations (layers from module paths, or the forward's repeated blocks)")
     p.add_argument("--device", default="cpu", metavar="NAME",
                    help="device profile for the cost model: cpu (measured once, cached), h100, h200, a100")
 

@@ -7,7 +7,9 @@ VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, cle
 as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
 of --repeats steps in another process, with the default allocator (see main()); with --rounds R,
 the median over R such processes, the configurations interleaved. Loss and gradients are
-compared with eager. Prints the table, then the remat/compile peak ratio last.
+compared with eager. The estimate column is backends.fx.peak's model of the peak above rest,
+computed on the graphs the partitioner returned in the timed process (a fresh Inductor cache per
+run makes it compile there). Prints the table, then the remat/compile peak ratio last.
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
 """
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,6 +88,7 @@ def child(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
                     heads=args.heads, seq=args.seq)
     model = gpt(cfg).to(device)
@@ -169,7 +173,27 @@ def child(name: str, args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
     torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
-    return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2]}
+    return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2],
+            "estimate": sum(estimates) / 2**20 if estimates else None}
+
+
+def estimate_partitions() -> list[int]:
+    """The peak model's estimate (backends.fx.peak) of each graph Inductor partitions in this
+    process, taken on the forward and backward graphs the partitioner returns."""
+    import torch._inductor.compile_fx as compile_fx
+
+    from backends.fx.peak import step_graph, step_peak
+
+    estimates: list[int] = []
+    partition = compile_fx.min_cut_rematerialization_partition
+
+    def partition_and_estimate(joint, joint_inputs, **kwargs):
+        forward, backward = partition(joint, joint_inputs, **kwargs)
+        estimates.append(step_peak(step_graph(forward, backward, kwargs["num_fwd_outputs"])))
+        return forward, backward
+
+    compile_fx.min_cut_rematerialization_partition = partition_and_estimate
+    return estimates
 
 
 def main() -> None:
@@ -193,7 +217,11 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from backends.fx.saved import relative_error
 
+    # A fresh Inductor cache for this run: the timed process compiles (and the peak model sees the
+    # partitioner's graphs there), the peak process loads what it compiled.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-inductor-"))
     rows = {}
+    estimates: dict[str, float | None] = {}
     timings: dict[str, list[float]] = {name: [] for name in args.configs}
     for round_ in range(args.rounds):
         for name in args.configs:
@@ -213,7 +241,10 @@ def main() -> None:
             if timed.returncode != 0:
                 print(f"{name}: failed\n{timed.stderr[-1500:]}")
                 continue
-            timings[name].append(json.loads(timed.stdout.strip().splitlines()[-1])["seconds"])
+            timed_row = json.loads(timed.stdout.strip().splitlines()[-1])
+            timings[name].append(timed_row["seconds"])
+            if round_ == 0:
+                estimates[name] = timed_row["estimate"]
             if round_:
                 continue
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -225,12 +256,14 @@ def main() -> None:
             rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
+        row["estimate"] = estimates.get(name)
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"
     print(f"GPT-like: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
           f"seq {args.seq}; {args.device}, {args.threads} threads; peak in {unit}")
-    print(f"{'configuration':18}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}{'max rel err vs eager':>22}")
+    print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
+          f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")
     for name, r in rows.items():
         err = ""
         if ref is not None:
@@ -239,7 +272,11 @@ def main() -> None:
             err = f"{max(relative_error(a, b) for a, b in pairs):.1e}"
         ratio = f"{r['peak'] / base['peak']:.3f}" if base else ""
         tratio = f"{r['seconds'] / base['seconds']:.3f}" if base else ""
-        print(f"{name:18}{r['rest']:>8.1f}{r['peak']:>10.1f}{ratio:>10}{r['seconds']:>9.3f}{tratio:>10}{err:>22}")
+        above = r["peak"] - r["rest"]
+        est = f"{'-':>9}{'-':>10}"     # no compiled graph (eager), or none the partitioner saw
+        if r.get("estimate"):
+            est = f"{r['estimate']:>9.1f}{r['estimate'] / max(above, 1e-9):>10.3f}"
+        print(f"{name:22}{r['rest']:>8.1f}{r['peak']:>10.1f}{ratio:>10}{r['seconds']:>9.3f}{tratio:>10}{err:>22}{est}")
     best = "remat-expensive" if "remat-expensive" in rows else "remat"
     if base and best in rows:
         print(f"{best} / compile peak:")

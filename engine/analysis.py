@@ -1,8 +1,8 @@
 """Forward/backward split, stashed activations, liveness and estimated peak memory."""
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Hashable, Sequence
+from dataclasses import dataclass, field, replace
 
 from .errors import GraphError
 from .ir import Graph, Node, Value, captured_values
@@ -163,14 +163,24 @@ class MemoryModel:
     apart: Callable[[Value], bool] | None = None              # allocated on its own, outside the arena
     known_shape: Callable[[Value], bool] | None = None        # shape known to the planner (reuse needs it)
     order_of: Callable[[Graph], Sequence[Node]] | None = None  # execution order of a subgraph
+    # What a freed buffer must match to be handed to a new value, where the runtime's rule is not
+    # ONNX Runtime's same-shape one (Inductor's: dtype and storage size). Giving it turns reuse on;
+    # None for a value means it never takes a freed buffer.
+    reuse_key: Callable[[Value], Hashable | None] | None = None
+    # Hand a freed buffer over only where holding it until then keeps the walk without reuse under
+    # its own peak (Inductor's wrapper, AllocateLine.should_reuse_buffer); the next step always may.
+    # That walk counts the graph's inputs until their last reader, as Inductor's estimate does.
+    reuse_keeps_peak: bool = False
+    count_inputs: bool = False        # inputs are buffers until their last reader (not in the result's peak)
 
 
 class _Buffer:
-    __slots__ = ("size", "apart", "first", "last_read", "uses", "values", "key")
+    __slots__ = ("size", "apart", "first", "last_read", "uses", "values", "key", "freed")
 
     def __init__(self, size: int, apart: bool, first: int, value: Value, key):
         self.size, self.apart, self.first = size, apart, first
         self.last_read = -1
+        self.freed = -1
         self.uses = 0
         self.values = [value]
         self.key = key
@@ -232,14 +242,36 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
     def reuse_key(v: Value) -> tuple | None:
         """What a freed buffer must match to be handed to `v`: its shape and element size, if the
         planner knows the shape (scalars are never reused)."""
+        if model.reuse_key is not None:
+            return model.reuse_key(v)
         known = model.known_shape(v) if model.known_shape is not None else _static(v)
         return (tuple(v.shape), v.dtype.itemsize) if known and v.shape else None
+
+    held: list[int] | None = None        # the walk without reuse, plus what reuse holds so far
+    if model.reuse_keeps_peak:
+        plain = simulate_peak(graph, order, alias_ops, replace(model, reuse_key=None, reuse_same_shape=False,
+                                                             reuse_keeps_peak=False, count_inputs=True),
+                              dim_examples)
+        held, ceiling = list(plain.curve), plain.peak_bytes or 0
+
+    def may_reuse(free: _Buffer, i: int, nbytes: int) -> bool:
+        if held is None or free.freed + 1 >= i:
+            return True
+        if nbytes + max(held[free.freed + 1:i]) > ceiling:
+            return False
+        for k in range(free.freed + 1, i):
+            held[k] += nbytes
+        return True
 
     def new_buffer(v: Value, i: int, apart: bool) -> _Buffer:
         b = _Buffer(size(v), apart, i, v, reuse_key(v))
         buffers.append(b)
         return b
 
+    if model.count_inputs:
+        for v in graph.inputs:
+            buffer_of[id(v)] = b = new_buffer(v, 0, apart=False)
+            b.uses = uses.get(id(v), 0)
     for i, node in enumerate(order):
         for k, o in enumerate(_present_outputs(node)):
             base = node.inputs[0] if node.inputs else None
@@ -258,12 +290,13 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
                 b = new_buffer(o, i, apart=True)
             else:
                 b = None
-                key = reuse_key(o) if model.reuse_same_shape else None
+                key = reuse_key(o) if model.reuse_same_shape or model.reuse_key is not None else None
                 if key is not None:
                     for j, free in enumerate(freelist):
                         if free.key == key and free.size == size(o):
-                            b = freelist.pop(j)
-                            b.values.append(o)
+                            if may_reuse(free, i, free.size):
+                                b = freelist.pop(j)
+                                b.values.append(o)
                             break
                 if b is None:
                     b = new_buffer(o, i, apart=False)
@@ -278,6 +311,7 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
                 b.last_read = max(b.last_read, last_read[id(v)])
             b.uses -= 1
             if b.uses == 0:
+                b.freed = i
                 freelist.insert(0, b)
         transient[i] = model.transient(node, size) if model.transient is not None else 0
         if node.subgraphs:

@@ -165,23 +165,23 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     judges. The largest model budget whose rewrite the backend simulates within the user's
     budget is found by bisection between the model's lowest reachable peak and the original's
     (the first probe is the user's budget itself, which is the answer when the two agree)."""
-    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, reach
+    from .analysis import analyze
+    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, limit_for, parse_budget, reach
 
     builder.start()
     budget = parse_budget(budget)
-    original_peak = builder.simulate(builder.current(True))
-    if budget.fraction is not None:     # of the original's peak as the backend will run it
-        budget = Budget(bytes=max(1, int(budget.fraction * original_peak)))
-    target = budget.bytes
+    given = builder.current(True)
+    original_peak = builder.simulate(given)
     # Planned once: a probe selects sites by (rule, node) name, which every fresh start keeps.
     planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
     planned_on = builder.current(False)
     original, lowest = reach(planning, planned_on, device)
+    target = note = None
 
     def probe(model_budget: int) -> Rewrite:
         builder.start()
         choice = choose(planning, planned_on, Budget(bytes=max(1, model_budget)), device)
-        choice.budget = target
+        choice.budget, choice.note = target, note
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
         done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
         return done
@@ -196,19 +196,32 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         annotate_costs(Planning(done.result.graph, rules, done.result.planning.analysis, plans), device)
         selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
         done.choice = Choice(target, original_peak, done.simulated_peak,
-                             sum(p.extra_seconds or 0.0 for p in plans), selection)
+                             sum(p.extra_seconds or 0.0 for p in plans), selection, note=note)
         return done
 
-    lo, hi, floor = lowest, max(original, lowest), None
+    floor = None
+    if budget.ratio is not None:
+        # A ratio is of what recomputing the layers takes off the peak as the backend runs it:
+        # the layers' stash, or less where the rules' lowest simulated peak says so.
+        floor = everything()
+        target, note = limit_for(budget, original_peak, given, analyze(given, forward_outputs),
+                                 original_peak - floor.simulated_peak)
+        floor.choice.budget, floor.choice.note = target, note
+        if target <= floor.simulated_peak:
+            return floor
+    else:
+        target, note = budget.limit(original_peak), ""   # a fraction: of the peak the backend simulates
+    target = max(1, target)
+    lo, hi = lowest, max(original, lowest)
     first = min(max(target, lo), hi)
     done = probe(first)
     if done.simulated_peak <= target:
         best, lo = done, first
     else:
         hi = first
-        best = everything()
+        best = floor or everything()
         if best.simulated_peak > target:
-            raise BudgetError(target, best.simulated_peak, original_peak)
+            raise BudgetError(target, best.simulated_peak, original_peak, tiers)
         lo = min(lo, first)
         floor = best
     for _ in range(MAX_PROBES):

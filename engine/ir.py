@@ -44,6 +44,10 @@ class Value:
     literal: bool = field(default=False, repr=False)
     # The value of a small integer constant (axes, a shape), for ops that read it as a parameter.
     ints: list[int] | None = field(default=None, repr=False)
+    # False where the backend's compiler computes the value inside the kernel that reads it
+    # (Inductor's fusion of pointwise chains): it never takes memory, so the budget planner's
+    # memory curve gives it no bytes.
+    materialized: bool = field(default=True, repr=False)
 
     @property
     def numel(self) -> Dim | None:
@@ -88,6 +92,9 @@ class Node:
     # Written by the recompute rewriter on a clone: the node it recomputes, and the region.
     recompute_of: str | None = None
     recompute_region: int | None = None
+    # The module path the exporter recorded for the node (`blocks.3.attn`), where it recorded one:
+    # how `--ratio` finds a model's layers (engine.budget.layers).
+    scope: str | None = None
 
     @property
     def domain(self) -> str:

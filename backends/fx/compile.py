@@ -34,7 +34,7 @@ from engine.driver import Rewrite, rewrite
 from engine.failures import PlanFailure, Site, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
-from engine.budget import Budget, BudgetError, parse_budget
+from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
 from engine.errors import ConfigError
 from engine.plans import parse_config
 from engine.strategies.chunk import ChunkRegion
@@ -64,9 +64,10 @@ class FxBuilder:
 
     built_as = "invoke_subgraph calls"
 
-    def __init__(self, graph: fx.Graph, views: frozenset[str] = frozenset()):
+    def __init__(self, graph: fx.Graph, views: frozenset[str] = frozenset(), strict: bool = False):
         self.graph = graph
         self.views = views
+        self.strict = strict
         self.owner = graph.owning_module
         self.work: fx.GraphModule | None = None
         self.two_phase = False
@@ -78,7 +79,13 @@ class FxBuilder:
         self.two_phase = False
 
     def current(self, fold: bool) -> Graph:
-        return import_fx(self.work.graph, fold=fold)
+        from .peak import fused_away
+
+        graph = import_fx(self.work.graph, fold=fold)
+        fused = {n.name for n in fused_away(self.work.graph)}
+        for value in graph.values():
+            value.materialized = value.name not in fused
+        return graph
 
     def build(self, result: Result, region: ChunkRegion, index: int) -> None:
         apply_chunk(self.work.graph, region, f"remat_chunk_{index}")
@@ -93,10 +100,18 @@ class FxBuilder:
                         by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
     def simulate(self, graph: Graph) -> int:
-        """The joint graph's peak in schedule order, views aliased (the partitioner and
-        Inductor reorder within it; this is the planner's estimate, not a measurement)."""
+        """The step's peak as torch runs it: the partitioner's forward and backward, with
+        Inductor's fusion and buffer reuse (backends.fx.peak). Where the partitioner cannot be
+        run on the working copy, the joint graph's own walk in schedule order, views aliased."""
         from engine.analysis import simulate_peak
 
+        from .peak import estimated_step_peak
+
+        try:
+            return estimated_step_peak(self.work.graph, self.work)
+        except Exception:
+            if self.strict:
+                raise
         views = self.views | {n.op for n in graph.nodes if n.native_op in self.views}   # aten::permute
         return simulate_peak(graph, alias_ops=views).peak_bytes or 0
 
@@ -170,7 +185,7 @@ class RematPass(CustomGraphPass):
         output = next((n for n in graph.nodes if n.op == "output"), None)
         if output is None or not _flat(output.args):
             return      # nothing to rewrite (dynamo hands a graph break's empty fragment over too)
-        builder = FxBuilder(graph, self.rules.views)
+        builder = FxBuilder(graph, self.rules.views, self.strict)
         try:
             device = None if self.budget is None else profile_for(self.device or _device_of(graph))
             try:
@@ -231,13 +246,18 @@ def _device_of(graph: fx.Graph) -> str:
 
 def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
             tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
-            strict: bool | None = None, budget=None, device=None):
+            strict: bool | None = None, budget=None, device=None, ratio: float | None = None):
     """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
     the shipped library by default) applied to the joint graph. `strict`
     (default: the REMAT_STRICT environment variable) raises remat's internal errors instead
     of compiling without the plan, or the graph without remat. `budget` (`"400MiB"`, or a
     fraction of the estimated peak, `0.6`): the planner chooses the fastest plans that fit,
-    for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are)."""
+    for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are). `ratio`
+    (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute."""
+    if ratio is not None:
+        if budget is not None:
+            raise ConfigError("give a budget or a ratio, not both")
+        budget = parse_ratio(ratio)
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     remat_pass = RematPass(ruleset, config, tiers, report, strict, budget, device)
 
@@ -272,7 +292,7 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     return compile_with_remat
 
 
-OPTIONS = ("rules", "config", "tiers", "strict", "budget", "device", "report")
+OPTIONS = ("rules", "config", "tiers", "strict", "budget", "ratio", "device", "report")
 
 
 def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):

@@ -148,7 +148,8 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             produced = [produced[i] for i in order]
             base = _base_name(members[0].meta["original_aten"])
             node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, {}, produced[0].name if produced else members[0].name,
-                        native_op=f"aten::{base}", backend_nodes=[m.name for m in members])
+                        native_op=f"aten::{base}", backend_nodes=[m.name for m in members],
+                        scope=_scope(members[0]))
             for m, v in zip(produced, outs):
                 values[m] = v
             emitted.add(key)
@@ -207,7 +208,16 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
     decomposed = original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX
     return Node(op, tensor_args, outs, attrs, fx_node.name, native_op=f"aten::{base}",
                 decomposed_from=ATEN_TO_ONNX[_base_name(original)] if decomposed else None,
-                backend_nodes=[fx_node.name])
+                backend_nodes=[fx_node.name], scope=_scope(fx_node))
+
+
+def _scope(fx_node: fx.Node) -> str | None:
+    """The innermost module that made the node (dynamo's `nn_module_stack`), as a dotted path."""
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path[len("L['self']."):] if path.startswith("L['self'].") else path
 
 
 def _literal(name: str, number: bool | int | float, example: Any, args: tuple) -> Value:

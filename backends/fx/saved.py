@@ -29,3 +29,20 @@ def training_step(model: torch.nn.Module, compiled, inputs=None) -> tuple[torch.
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| relative to the largest |want|: how the tests and benchmarks compare."""
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def tensor_peak(step) -> int:
+    """Bytes of tensors alive at the highest point of `step()` above those alive when it starts,
+    from the profiler's allocation events (CPU or CUDA): what a peak model of the step predicts,
+    without the allocator's own overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak

@@ -376,7 +376,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
         key = (op, domain)
         if key not in defaults_cache:
             defaults_cache[key] = _attribute_defaults(np_.op_type, domain, opsets)
-        node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs)
+        node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs, scope=_scope(np_))
         _note_constant_ints(node)
         node.attr_defaults = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
@@ -388,3 +388,16 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
             raise GraphError(f"graph output {vi.name!r} is never defined")
         outputs.append(scope[vi.name])
     return Graph(nodes, inputs, outputs, initializers, name=proto.name or "graph")
+
+
+def _scope(node_proto) -> str | None:
+    """The module path an exporter recorded: torch.onnx's `pkg.torch.onnx.name_scopes` metadata
+    (`['', 'blocks.0', 'attn']`), or a TorchScript-style node name (`/blocks.0/attn/MatMul`)."""
+    for prop in node_proto.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            parts = [p for p in prop.value.strip("[]").replace("'", "").replace('"', "").split(",")]
+            path = ".".join(p.strip() for p in parts if p.strip())
+            return path or None
+    if node_proto.name.startswith("/") and node_proto.name.count("/") >= 2:
+        return ".".join(node_proto.name.strip("/").split("/")[:-1]) or None
+    return None

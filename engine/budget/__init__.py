@@ -25,10 +25,12 @@ from .cost import chunk_seconds, recompute_seconds
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
 from .solve import Option, applied, lowest_peak, solve
-from .spec import Budget, parse_budget
+from .layers import find_layers, limit_for
+from .spec import Budget, parse_budget, parse_ratio
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
-           "choose", "memory_curve", "pareto", "parse_budget", "preset", "reach"]
+           "choose", "find_layers", "limit_for", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
+           "reach"]
 
 SLICE_MENU = (2, 4, 8, 16, 32, 64)
 
@@ -36,12 +38,12 @@ SLICE_MENU = (2, 4, 8, 16, 32, 64)
 class BudgetError(RematError):
     """The budget cannot be met by any set of plans; names the lowest peak they reach."""
 
-    def __init__(self, budget: int, lowest: int, original: int):
+    def __init__(self, budget: int, lowest: int, original: int, tiers: tuple[str, ...] = ()):
         self.budget, self.lowest, self.original = budget, lowest, original
+        tier = "" if "expensive" in tiers else "enable a tier (--tier expensive), "
         super().__init__(f"a peak of {budget / 2**20:.1f} MiB cannot be reached: the lowest estimated peak "
                          f"the rules reach is {lowest / 2**20:.1f} MiB ({lowest / max(original, 1):.2f}x the "
-                         f"original's {original / 2**20:.1f} MiB); raise the budget, enable a tier "
-                         f"(--tier expensive), or add rules")
+                         f"original's {original / 2**20:.1f} MiB); raise the budget, {tier}or add rules")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Choice:
     extra_seconds: float
     selection: dict[Site, int | None] = field(default_factory=dict)
     options: list[Option] = field(default_factory=list)
+    note: str = ""                       # how the budget was read (a --ratio's layers), for the report
 
     def mark(self, plans) -> None:
         """Set each plan's requested count to the occurrences chosen, for the plan table."""
@@ -68,7 +71,7 @@ class Choice:
     def describe(self) -> str:
         return (f"Budget {self.budget / 2**20:.1f} MiB: estimated peak {self.original_peak / 2**20:.1f} -> "
                 f"{self.estimated_peak / 2**20:.1f} MiB, estimated extra time {self.extra_seconds * 1e3:.2f} ms, "
-                f"{len(self.selection)} plan occurrence(s) chosen")
+                f"{len(self.selection)} plan occurrence(s) chosen" + (f" ({self.note})" if self.note else ""))
 
 
 def site_of(region) -> Site:
@@ -130,14 +133,15 @@ def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
     device = device or PRESETS["cpu-default"]
     budget = parse_budget(budget)
     curve = memory_curve(graph, planning.rules.views)
-    limit = budget.limit(curve.peak)
     options, conflicts = options_for(planning, curve, device)
+    reachable = None if budget.ratio is None else curve.peak - lowest_peak(curve.live, options, conflicts)
+    limit, note = limit_for(budget, curve.peak, graph, analyze(graph, graph.forward_outputs), reachable)
     chosen = solve(curve.live, options, limit - margin, conflicts)
     if chosen is None:
-        raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak)
+        raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak, planning.tiers)
     live = applied(curve.live, chosen)
     return Choice(limit, curve.peak, max(live, default=0), sum(o.seconds for o in chosen),
-                  {o.key[0]: o.key[1] for o in chosen}, chosen)
+                  {o.key[0]: o.key[1] for o in chosen}, chosen, note)
 
 
 def annotate_costs(planning: Planning, device: DeviceProfile | None = None) -> None:

@@ -72,7 +72,7 @@ def memory_curve(graph: Graph, views: frozenset[str]) -> Curve:
 
 
 def _bytes(v: Value, examples: dict[str, int]) -> int:
-    if v.nbytes is None:
+    if v.nbytes is None or not v.materialized:
         return 0
     size = evaluate(v.nbytes, examples)
     return int(size) if size is not None else 0
@@ -108,6 +108,14 @@ def _gap(value: Value, curve: Curve, analysis: Analysis, views: frozenset[str]) 
     return (last_forward + 1, first_backward - 1) if first_backward - last_forward > 1 else None
 
 
+def _base(value: Value, views: frozenset[str]) -> Value:
+    """The value whose buffer `value` views (itself, if it is no view)."""
+    while value.producer is not None and is_view(value.producer, views) and value.producer.inputs \
+            and value.producer.inputs[0] is not None:
+        value = value.producer.inputs[0]
+    return value
+
+
 def _local(value: Value, curve: Curve) -> Value | None:
     """The value of the same name in the curve's graph."""
     return curve.by_name.get(value.name)
@@ -117,10 +125,17 @@ def recompute_effect(region: Region, curve: Curve, analysis: Analysis, views: fr
     examples = curve.graph.dim_examples
     out: list[Interval] = []
     gaps = []
-    for target in region.targets:
-        v = _local(target, curve)
-        if v is None or (v.producer is not None and is_view(v.producer, views)):
-            continue        # a view holds no bytes of its own
+    targets = [v for v in (_local(t, curve) for t in region.targets) if v is not None]
+    through_targets = {p for v in targets for p in _uses(v, curve, analysis, views)[1]}
+    freed: dict[int, Value] = {}
+    for v in targets:
+        # A view holds no bytes of its own: recomputing it frees its base, where every backward
+        # reader of the base reads it through the recomputed values (fx graphs stash views).
+        base = _base(v, views)
+        if base is not v and not set(_uses(base, curve, analysis, views)[1]) <= through_targets:
+            continue
+        freed[id(base)] = base
+    for v in freed.values():
         gap = _gap(v, curve, analysis, views)
         if gap is not None:
             out.append((gap[0], gap[1], -_bytes(v, examples)))

@@ -16,12 +16,31 @@ _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s
 class Budget:
     bytes: int | None = None        # an absolute limit
     fraction: float | None = None   # of the original's estimated peak
+    ratio: float | None = None      # of the layers' stashed activations to recompute (engine.budget.layers)
 
     def limit(self, original_peak: int) -> int:
+        """Bytes, for a size or a fraction (a ratio needs the layers: engine.budget.layers.limit_for)."""
+        if self.ratio is not None:
+            raise ValueError("a ratio's limit depends on the layers: use engine.budget.layers.limit_for")
         return self.bytes if self.bytes is not None else int(self.fraction * original_peak)
 
     def __str__(self) -> str:
-        return f"{self.bytes / 2**20:.1f} MiB" if self.bytes is not None else f"{self.fraction:g}x the original peak"
+        if self.bytes is not None:
+            return f"{self.bytes / 2**20:.1f} MiB"
+        if self.fraction is not None:
+            return f"{self.fraction:g}x the original peak"
+        return f"ratio {self.ratio:g} of the layers' activations"
+
+
+def parse_ratio(value: str | float) -> Budget:
+    """`--ratio R`: the fraction, in (0, 1], of the layers' activations to recompute."""
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"ratio {value!r}: expected a number in (0, 1], like 0.5") from None
+    if not math.isfinite(ratio) or not 0 < ratio <= 1:
+        raise ConfigError(f"ratio {value!r}: the fraction of the layers' activations to recompute is in (0, 1]")
+    return Budget(ratio=ratio)
 
 
 def parse_budget(text: str | int | float | Budget) -> Budget:
