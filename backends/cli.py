@@ -111,7 +111,7 @@ def cmd_analyze(args) -> int:
 
         points = pareto(planning, graph, device)
         pareto_plot(points, _writable_file(args.pareto, "--pareto"), graph.name)
-    if args.json:
+    if args.format == "json":
         data = plan_json(planning)
         if choice is not None:
             data["budget"] = choice.to_json()
@@ -119,7 +119,7 @@ def cmd_analyze(args) -> int:
             data["pareto"] = [p.to_json() for p in points]
         print(json.dumps(data, indent=2, default=str))
     else:
-        print(plan_table(planning))
+        print(plan_table(planning, markdown=args.format == "markdown"))
         if choice is not None:
             print(f"\n{choice.describe()}")
         if points is not None:
@@ -301,6 +301,15 @@ def _planner(p: argparse.ArgumentParser) -> None:
                    help="device profile for the cost model: cpu (measured once, cached), h100, h200, a100")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("remat")
+    except PackageNotFoundError:      # run from a checkout that was never installed
+        return "(not installed)"
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line, `remat: error: ...`, exit status 1, like every other bad input."""
 
@@ -310,6 +319,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="remat", description="Declarative activation-memory rewrites.")
+    ap.add_argument("--version", action="version", version=f"remat {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("check", help="compile rule files and report every error")
     p.add_argument("rules", nargs="*", help="rule files or folders (default: the shipped library)")
@@ -317,7 +327,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", help="the plan table of a training graph")
     _common(p)
     _planner(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--format", choices=("table", "markdown", "json"), default="table",
+                   help="the plan table as aligned text, a Markdown table (for a PR comment), or JSON")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="the same as --format json")
     p.add_argument("--pareto", metavar="OUT.png|OUT.svg",
                    help="plot estimated peak against estimated extra time over a sweep of budgets")
     p.set_defaults(fn=cmd_analyze)

@@ -4,9 +4,10 @@ ONNX Runtime (GPT-like, vocab 4096, batch 8 by default): the original's peak is 
 `remat apply --budget` at 0.9x ... 0.4x of it; each rewritten graph's peak is measured in its
 own process and printed beside its budget and the planner's estimate.
 
-torch (`--torch`): bench/torch_step.py runs `activation_memory_budget=0.1`, then remat with a
-budget equal to that configuration's measured peak above rest, and a sweep of fractions of
-remat's own estimate, each in its own processes, interleaved (`--rounds`).
+torch (`--torch`): bench/torch_step.py measures torch.compile and `activation_memory_budget=0.1`,
+then runs remat with a budget equal to the latter's measured peak above rest, and with 0.9x ...
+0.4x of torch.compile's, each in its own processes, the step times interleaved (`--rounds`);
+each measured peak is printed beside its budget and the peak model's estimate.
 
     python bench/budget.py                 # ONNX sweep
     python bench/budget.py --torch         # and the torch path
@@ -94,19 +95,59 @@ def torch_sweep(args) -> None:
     probe = subprocess.run(step + ["--configs", "compile", "budget-0.1"], capture_output=True, text=True,
                            cwd=ROOT, timeout=args.timeout)
     print(probe.stdout)
-    anchor = next((line.split() for line in probe.stdout.splitlines() if line.startswith("budget-0.1")), None)
-    if anchor is None:
-        print(f"budget-0.1 failed:\n{probe.stderr[-2000:]}")
+    rows = _step_rows(probe.stdout)
+    if "compile" not in rows or "budget-0.1" not in rows:
+        print(f"the probe failed:\n{probe.stderr[-2000:]}")
         return
-    rest, peak = float(anchor[1]), float(anchor[2])
-    budget = f"{peak - rest:.0f}MiB"
-    print(f"activation_memory_budget=0.1 peaks {peak - rest:.1f} MiB above rest: remat gets {budget}")
-    configs = ["compile", "budget-0.1", f"remat-budget-{budget}", *(f"remat-budget-{f}" for f in FRACTIONS)]
+    original, anchor = rows["compile"]["above"], rows["budget-0.1"]["above"]
+    print(f"torch.compile peaks {original:.1f} MiB above rest; activation_memory_budget=0.1 {anchor:.1f} MiB: "
+          f"remat gets that as its budget, then {', '.join(f'{f:g}' for f in FRACTIONS)}x compile's")
+    budgets = {f"remat-budget-{anchor:.0f}MiB": anchor}
+    budgets.update({f"remat-budget-{f * original:.0f}MiB": f * original for f in FRACTIONS})
+    configs = ["compile", "budget-0.1", *budgets]
     sweep = subprocess.run(step + ["--rounds", str(args.rounds), "--configs", *configs], capture_output=True,
                            text=True, cwd=ROOT, timeout=args.timeout * 4)
     print(sweep.stdout)
     if sweep.returncode:
         print(sweep.stderr[-2000:])
+    rows = _step_rows(sweep.stdout)
+    print(f"{'budget':>8} {'x compile':>10} {'measured':>9} {'meas/budget':>12} {'estimated':>10} {'est/meas':>9} "
+          f"{'step s':>7} {'/budget-0.1':>12}")
+    worst, monotone, last = 0.0, True, None
+    for name, budget in budgets.items():
+        row = rows.get(name)
+        if row is None:
+            print(f"{budget:>8.1f}  failed")
+            continue
+        ratio = row["above"] / budget
+        est = row["estimate"]
+        print(f"{budget:>8.1f} {budget / original:>10.2f} {row['above']:>9.1f} {ratio:>12.3f} "
+              f"{est if est is not None else float('nan'):>10.1f} "
+              f"{(est or 0) / max(row['above'], 1e-9):>9.3f} {row['seconds']:>7.3f} "
+              f"{row['seconds'] / rows['budget-0.1']['seconds'] if 'budget-0.1' in rows else float('nan'):>12.3f}")
+        if name != next(iter(budgets)):       # the sweep proper, from 0.9x down
+            worst = max(worst, ratio)
+            monotone = monotone and (last is None or row["above"] <= last * 1.005)
+            last = row["above"]
+    print(f"measured peaks non-increasing as the budget falls: {monotone}")
+    print("largest measured peak / budget (sweep):")
+    print(f"{worst:.3f}")
+
+
+def _step_rows(text: str) -> dict[str, dict]:
+    """bench/torch_step.py's table: name, rest, peak, ..., step s, ..., estimate."""
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 6 or not parts[1].replace(".", "", 1).isdigit():
+            continue
+        try:
+            rest, peak, seconds = float(parts[1]), float(parts[2]), float(parts[4])
+        except ValueError:
+            continue
+        estimate = float(parts[-2]) if parts[-2] != "-" else None
+        rows[parts[0]] = {"above": peak - rest, "seconds": seconds, "estimate": estimate}
+    return rows
 
 
 def main() -> None:

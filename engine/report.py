@@ -44,7 +44,12 @@ def plan_rows(planning: "Planning", applied_known: bool = False) -> list[dict[st
     return [_row(p, planning.graph.dim_examples, applied_known) for p in planning.plans]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def _table(header: list[str], rows: list[list[str]], markdown: bool = False) -> str:
+    """Columns padded to their widest cell; with `markdown`, a GitHub table (pipes escaped)."""
+    if markdown:
+        def cells(row: list[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+        return "\n".join([cells(header), "|" + "|".join("---" for _ in header) + "|", *map(cells, rows)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -94,7 +99,7 @@ def dims_line(planning: "Planning") -> str:
     return "Dims: " + ("; ".join(parts) or "all static")
 
 
-def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
+def plan_table(planning: "Planning", result: "Result | None" = None, markdown: bool = False) -> str:
     examples = planning.graph.dim_examples
     rows = plan_rows(planning, applied_known=result is not None)
     timed = any(r["extra_seconds"] is not None for r in rows)
@@ -118,7 +123,7 @@ def plan_table(planning: "Planning", result: "Result | None" = None) -> str:
         dims_line(planning),
         "Tiers: default" + "".join(f", {t}" for t in planning.tiers),
         "",
-        _table(header, body)
+        _table(header, body, markdown)
         if body else "No plans: no rule found a stashed activation it can recompute.",
     ]
     if result is not None:

@@ -520,3 +520,19 @@ def test_model_file_that_cannot_be_read(capsys, mlp, tmp_path):
     path.chmod(0)
     code, _, err = remat(capsys, "analyze", path)
     assert_clear_error(code, err, f"{path}: cannot read it (permission denied)")
+
+
+def test_analyze_formats_and_version(tmp_path, capsys):
+    model, feeds = mlp_model()
+    path = save(model, tmp_path / "m.onnx", feeds)
+    code, out, _ = remat(capsys, "analyze", str(path), "--format", "markdown")
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("| Plan |"))
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line != header]
+    assert rows and all(r.count("|") == header.count("|") for r in rows)
+    code, out, _ = remat(capsys, "analyze", str(path), "--format", "json")
+    assert code == 0 and json.loads(out)["plans"]
+    code, out, _ = remat(capsys, "analyze", str(path), "--json")
+    assert code == 0 and "plans" in json.loads(out)
+    code, out, _ = remat(capsys, "--version")
+    assert code == 0 and out.startswith("remat ")
