@@ -104,7 +104,7 @@ def torch_sweep(args) -> None:
           f"remat gets that as its budget, then {', '.join(f'{f:g}' for f in FRACTIONS)}x compile's")
     budgets = {f"remat-budget-{anchor:.0f}MiB": anchor}
     budgets.update({f"remat-budget-{f * original:.0f}MiB": f * original for f in FRACTIONS})
-    configs = ["compile", "budget-0.1", *budgets]
+    configs = ["eager", "compile", "budget-0.1", *budgets]
     sweep = subprocess.run(step + ["--rounds", str(args.rounds), "--configs", *configs], capture_output=True,
                            text=True, cwd=ROOT, timeout=args.timeout * 4)
     print(sweep.stdout)
@@ -112,7 +112,7 @@ def torch_sweep(args) -> None:
         print(sweep.stderr[-2000:])
     rows = _step_rows(sweep.stdout)
     print(f"{'budget':>8} {'x compile':>10} {'measured':>9} {'meas/budget':>12} {'estimated':>10} {'est/meas':>9} "
-          f"{'step s':>7} {'/budget-0.1':>12}")
+          f"{'step s':>7} {'/budget-0.1':>12} {'rel err':>8}")
     worst, monotone, last = 0.0, True, None
     for name, budget in budgets.items():
         row = rows.get(name)
@@ -124,7 +124,8 @@ def torch_sweep(args) -> None:
         print(f"{budget:>8.1f} {budget / original:>10.2f} {row['above']:>9.1f} {ratio:>12.3f} "
               f"{est if est is not None else float('nan'):>10.1f} "
               f"{(est or 0) / max(row['above'], 1e-9):>9.3f} {row['seconds']:>7.3f} "
-              f"{row['seconds'] / rows['budget-0.1']['seconds'] if 'budget-0.1' in rows else float('nan'):>12.3f}")
+              f"{row['seconds'] / rows['budget-0.1']['seconds'] if 'budget-0.1' in rows else float('nan'):>12.3f} "
+              f"{row['error']:>8}")
         if name != next(iter(budgets)):       # the sweep proper, from 0.9x down
             worst = max(worst, ratio)
             monotone = monotone and (last is None or row["above"] <= last * 1.005)
@@ -146,7 +147,8 @@ def _step_rows(text: str) -> dict[str, dict]:
         except ValueError:
             continue
         estimate = float(parts[-2]) if parts[-2] != "-" else None
-        rows[parts[0]] = {"above": peak - rest, "seconds": seconds, "estimate": estimate}
+        error = parts[6] if len(parts) > 8 else "-"       # the error column is empty without eager
+        rows[parts[0]] = {"above": peak - rest, "seconds": seconds, "estimate": estimate, "error": error}
     return rows
 
 

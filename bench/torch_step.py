@@ -9,7 +9,8 @@ of --repeats steps in another process, with the default allocator (see main()); 
 the median over R such processes, the configurations interleaved. Loss and gradients are
 compared with eager. The estimate column is backends.fx.peak's model of the peak above rest,
 computed on the graphs the partitioner returned in the timed process (a fresh Inductor cache per
-run makes it compile there). Prints the table, then the remat/compile peak ratio last.
+run makes it compile there, and the first step's time less a step's is the compile time). Prints
+the table, then the remat/compile peak ratio last (with --json, then the rows as JSON).
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
 """
@@ -140,9 +141,14 @@ def child(name: str, args) -> dict:
         for p in model.parameters():
             p.grad = None
 
+    warmup = []
     for _ in range(2):
+        begin = time.perf_counter()
         step()
         clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        warmup.append(time.perf_counter() - begin)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -173,7 +179,11 @@ def child(name: str, args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
     torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
-    return {"name": name, "peak": peak, "rest": rest, "seconds": sorted(times)[len(times) // 2],
+    seconds = sorted(times)[len(times) // 2]
+    # The first step compiles (in the timed process, whose Inductor cache starts empty): its time
+    # less a step's is the compile time.
+    return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
+            "compile_seconds": max(0.0, warmup[0] - seconds),
             "estimate": sum(estimates) / 2**20 if estimates else None}
 
 
@@ -207,6 +217,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
     ap.add_argument("--child")
     ap.add_argument("--out", type=Path, default=Path("/tmp/remat-torch-step"))
+    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line, last")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -244,7 +255,7 @@ def main() -> None:
             timed_row = json.loads(timed.stdout.strip().splitlines()[-1])
             timings[name].append(timed_row["seconds"])
             if round_ == 0:
-                estimates[name] = timed_row["estimate"]
+                estimates[name] = timed_row["estimate"], timed_row["compile_seconds"]
             if round_:
                 continue
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -256,7 +267,7 @@ def main() -> None:
             rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
-        row["estimate"] = estimates.get(name)
+        row["estimate"], row["compile_seconds"] = estimates.get(name, (None, None))
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"
@@ -281,6 +292,10 @@ def main() -> None:
     if base and best in rows:
         print(f"{best} / compile peak:")
         print(f"{rows[best]['peak'] / base['peak']:.3f}")
+    if args.json:
+        print(json.dumps({"rows": [{"name": n, "above": r["peak"] - r["rest"], "seconds": r["seconds"],
+                                    "compile_seconds": r["compile_seconds"], "estimate": r["estimate"]}
+                                   for n, r in rows.items()]}))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     variants += [zoo.random_variant(rng, f"random_{args.seed}_{i}") for i in range(args.hypothesis)]
 
-    head = f"{'variant':44s} {'tiers':9s} {'ok':4s} {'loss err':>8s} {'grad err':>8s} {'tol':>5s}  {'s':>5s}  rules fired"
+    head = (f"{'variant':44s} {'tiers':9s} {'ok':4s} {'loss err':>8s} {'grad err':>8s} {'tol':>5s}  {'s':>5s}  "
+            f"rules fired")
     print(head)
     print("-" * len(head))
     results = []
@@ -161,7 +162,7 @@ def main() -> None:
     torch_bugs = sum(bool(r.get("torch_error")) for _, r in results)
     if torch_bugs:
         print(f"\n({torch_bugs} of the failures fail with plain Inductor too: torch's, not remat's)")
-    print(f"\n{len(results)} variants, {strict} compiled strict, {good} within 1e-4 "
+    print(f"\n{len(results)} variants, {compiled} compiled ({strict} strict), {good} within 1e-4 "
           f"(bf16 2e-2, fp16 1e-3, or 2x plain Inductor's error), {firings} rule firings; rules never fired: "
           f"{', '.join(never) or 'none'}")
 
