@@ -13,7 +13,7 @@ from backends.onnx.rewrite import apply_rules
 from backends.onnx.runtime import max_relative_error, run
 from dsl.loader import load_rules
 from engine.budget import BudgetError, choose, parse_budget, preset
-from engine.budget.solve import Option, applied, lowest_peak, solve
+from engine.budget.solve import MIP_GAP, Option, applied, lowest_peak, solve
 from engine.driver import plan_all
 from engine.errors import ConfigError
 from training_graphs import ACTIVATIONS, Layer, build_mlp
@@ -67,7 +67,9 @@ def test_the_solver_finds_the_brute_force_optimum(ints, budget):
         assert got is None
         assert lowest_peak(live, options) > budget
     else:
-        assert got is not None and sum(o.seconds for o in got) == pytest.approx(best)
+        # HiGHS stops within MIP_GAP of the optimum (engine/budget/solve.py).
+        assert got is not None
+        assert best - 1e-9 <= sum(o.seconds for o in got) <= best * (1 + MIP_GAP) + 1e-6
 
 
 def _mlp(widths, activations, seed):

@@ -16,6 +16,11 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from .effects import Interval
 
 
+# The solver stops within 1% of the cheapest set's extra time: at 48 layers (724 plan sites) the
+# default gap, 0.01%, took 21 s of proving for nothing a step would notice.
+MIP_GAP = 0.01
+
+
 @dataclass
 class Option:
     key: object                 # what the caller selects with it
@@ -41,6 +46,28 @@ def _matrix(options: list[Option], rows: list[int]) -> np.ndarray:
             lo, hi = bisect.bisect_left(rows, first), bisect.bisect_right(rows, last)
             a[lo:hi, j] += delta
     return a
+
+
+def _constraints(options: list[Option], live: list[int], candidates: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The program's memory rows, `a @ x + live <= ...`, for the candidate steps, with the
+    redundant ones dropped: between two interval boundaries every step sees the same options,
+    so only its highest step binds; and of rows with equal coefficients, only the highest live.
+    (48 layers: 18,253 steps become a few thousand rows.)"""
+    bounds = sorted({b for o in options for first, last, _ in o.effect for b in (first, last + 1)})
+    best: dict[int, int] = {}           # segment -> its candidate step with the most live bytes
+    for step in candidates:
+        segment = bisect.bisect_right(bounds, step)
+        if segment not in best or live[step] > live[best[segment]]:
+            best[segment] = step
+    rows = sorted(best.values())
+    a = _matrix(options, rows)
+    heights = np.array([live[s] for s in rows], dtype=float)
+    if len(rows) > 1:
+        unique, inverse = np.unique(a, axis=0, return_inverse=True)
+        top = np.full(len(unique), -np.inf)
+        np.maximum.at(top, inverse.reshape(-1), heights)
+        a, heights = unique, top
+    return a, heights
 
 
 def _groups(options: list[Option], conflicts: list[tuple[object, object]]) -> list[np.ndarray]:
@@ -76,14 +103,15 @@ def solve(live: list[int], options: list[Option], budget: int,
         return []
     if not options:
         return None
-    a = _matrix(options, rows)
-    constraints = [LinearConstraint(a, -np.inf, budget - np.array([live[s] for s in rows], dtype=float))]
+    a, heights = _constraints(options, live, rows)
+    constraints = [LinearConstraint(a, -np.inf, budget - heights)]
     exclusive = _groups(options, list(conflicts))
     if exclusive:
         constraints.append(LinearConstraint(np.array(exclusive), -np.inf, 1))
     # A tie-break toward fewer options: a plan that costs nothing is still not applied for nothing.
     cost = np.array([o.seconds for o in options]) + 1e-9
-    result = milp(cost, constraints=constraints, integrality=np.ones(len(options)), bounds=Bounds(0, 1))
+    result = milp(cost, constraints=constraints, integrality=np.ones(len(options)), bounds=Bounds(0, 1),
+                  options={"mip_rel_gap": MIP_GAP})
     if result.status != 0 or result.x is None:
         return None
     return [o for o, x in zip(options, result.x) if x > 0.5]
@@ -99,11 +127,11 @@ def lowest_peak(live: list[int], options: list[Option], conflicts: list[tuple[ob
             (saving if delta < 0 else positive)[first:last + 1] += delta
     floor = max(v + s for v, s in zip(live, saving))      # no choice does better at its step
     rows = [s for s, v in enumerate(live) if v + positive[s] >= floor]
-    a = _matrix(options, rows)
+    a, heights = _constraints(options, live, rows)
     n = len(options)
     # Variables: the options, then the peak P. live(s) + A x <= P.
-    matrix = np.hstack([a, -np.ones((len(rows), 1))])
-    constraints = [LinearConstraint(matrix, -np.inf, -np.array([live[s] for s in rows], dtype=float))]
+    matrix = np.hstack([a, -np.ones((len(a), 1))])
+    constraints = [LinearConstraint(matrix, -np.inf, -heights)]
     exclusive = _groups(options, list(conflicts))
     if exclusive:
         constraints.append(LinearConstraint(np.hstack([np.array(exclusive), np.zeros((len(exclusive), 1))]),
