@@ -11,7 +11,6 @@ import bisect
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .effects import Interval
 
@@ -93,6 +92,7 @@ def _groups(options: list[Option], conflicts: list[tuple[object, object]]) -> li
 def solve(live: list[int], options: list[Option], budget: int,
           conflicts: list[tuple[object, object]] = ()) -> list[Option] | None:
     """The cheapest options that keep every step within `budget`; None when none can."""
+    from scipy.optimize import Bounds, LinearConstraint, milp    # 33 MiB resident: only when planning
     positive = np.zeros(len(live))
     for o in options:
         for first, last, delta in o.effect:
@@ -119,6 +119,7 @@ def solve(live: list[int], options: list[Option], budget: int,
 
 def lowest_peak(live: list[int], options: list[Option], conflicts: list[tuple[object, object]] = ()) -> int:
     """The lowest peak the options can reach (the same program, minimizing the peak)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
     if not live:
         return 0
     saving, positive = np.zeros(len(live)), np.zeros(len(live))
