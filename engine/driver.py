@@ -166,7 +166,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     budget is found by bisection between the model's lowest reachable peak and the original's
     (the first probe is the user's budget itself, which is the answer when the two agree)."""
     from .analysis import analyze
-    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, limit_for, parse_budget, reach
+    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, ratio_target, reach
 
     builder.start()
     budget = parse_budget(budget)
@@ -204,8 +204,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         # A ratio is of what recomputing the layers takes off the peak as the backend runs it:
         # the layers' stash, or less where the rules' lowest simulated peak says so.
         floor = everything()
-        target, note = limit_for(budget, original_peak, given, analyze(given, forward_outputs),
-                                 original_peak - floor.simulated_peak)
+        target, note = ratio_target(budget.ratio, original_peak, given, analyze(given, forward_outputs),
+                                    original_peak - floor.simulated_peak)
         floor.choice.budget, floor.choice.note = target, note
         if target <= floor.simulated_peak:
             return floor

@@ -42,7 +42,7 @@ from engine.strategies.chunk import ChunkRegion
 from backends.device import profile_for
 
 from .chunk import apply_chunk
-from .importer import import_fx
+from .importer import _flat_nodes, import_fx
 
 
 @functools.cache
@@ -183,7 +183,7 @@ class RematPass(CustomGraphPass):
         if owner is not None and owner.meta.get("produced_by_chunker"):
             return      # a chunk's body: Inductor runs the joint passes on it too
         output = next((n for n in graph.nodes if n.op == "output"), None)
-        if output is None or not _flat(output.args):
+        if output is None or not _flat_nodes(output.args):
             return      # nothing to rewrite (dynamo hands a graph break's empty fragment over too)
         builder = FxBuilder(graph, self.rules.views, self.strict)
         try:
@@ -227,12 +227,6 @@ class RematPass(CustomGraphPass):
         key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
                f"{self.budget}|{self.device}")
         return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _flat(args) -> list[fx.Node]:
-    out: list[fx.Node] = []
-    fx.node.map_arg(args, out.append)
-    return out
 
 
 def _device_of(graph: fx.Graph) -> str:

@@ -171,12 +171,17 @@ def step_peak(step: Step) -> int:
     calls = {n.name: n for n in module.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)}
     graph = import_fx(module, forward_outputs=0, fold=False)
 
+    bodies: dict[str, int] = {}     # by subgraph: every slice calls the same body, and both walks ask
+
     def body_peak(node: Node) -> int:
         call = calls.get(node.name)
         if call is None:
             return 0
-        body = getattr(module, call.args[0].target)
-        return step_peak(Step(body, {n.name for n in fused_away(body.graph)}))
+        target = call.args[0].target
+        if target not in bodies:
+            body = getattr(module, target)
+            bodies[target] = step_peak(Step(body, {n.name for n in fused_away(body.graph)}))
+        return bodies[target]
 
     def storage(v: Value) -> tuple | None:
         """Inductor hands a freed buffer to the next one of the same dtype and storage size in

@@ -25,12 +25,12 @@ from .cost import chunk_seconds, recompute_seconds
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
 from .solve import Option, applied, lowest_peak, solve
-from .layers import find_layers, limit_for
+from .layers import find_layers, ratio_target
 from .spec import Budget, parse_budget, parse_ratio
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
-           "choose", "find_layers", "limit_for", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
-           "reach"]
+           "choose", "find_layers", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
+           "ratio_target", "reach"]
 
 SLICE_MENU = (2, 4, 8, 16, 32, 64)
 
@@ -134,8 +134,11 @@ def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
     budget = parse_budget(budget)
     curve = memory_curve(graph, planning.rules.views)
     options, conflicts = options_for(planning, curve, device)
-    reachable = None if budget.ratio is None else curve.peak - lowest_peak(curve.live, options, conflicts)
-    limit, note = limit_for(budget, curve.peak, graph, analyze(graph, graph.forward_outputs), reachable)
+    if budget.ratio is None:
+        limit, note = budget.limit(curve.peak), ""
+    else:
+        limit, note = ratio_target(budget.ratio, curve.peak, graph, analyze(graph, graph.forward_outputs),
+                                   curve.peak - lowest_peak(curve.live, options, conflicts))
     chosen = solve(curve.live, options, limit - margin, conflicts)
     if chosen is None:
         raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak, planning.tiers)

@@ -22,7 +22,6 @@ from ..analysis import Analysis
 from ..errors import ConfigError
 from ..ir import Graph, Node, Value
 from ..shapes import evaluate
-from .spec import Budget
 
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -51,15 +50,6 @@ def stashed_bytes_by_layer(graph: Graph, analysis: Analysis, layers: list[Layer]
         if name is not None:
             out[name] += _nbytes(v, graph)
     return out
-
-
-def limit_for(budget: Budget, original_peak: int, graph: Graph, analysis: Analysis,
-              reachable: int | None = None) -> tuple[int, str]:
-    """The bytes a budget allows, and for a ratio, a line saying how its layers were read.
-    `reachable`: the most the rules can take off the peak (by default, all the layers stash)."""
-    if budget.ratio is None:
-        return budget.limit(original_peak), ""
-    return ratio_target(budget.ratio, original_peak, graph, analysis, reachable)
 
 
 def ratio_target(ratio: float, original_peak: int, graph: Graph, analysis: Analysis,

@@ -19,9 +19,9 @@ class Budget:
     ratio: float | None = None      # of the layers' stashed activations to recompute (engine.budget.layers)
 
     def limit(self, original_peak: int) -> int:
-        """Bytes, for a size or a fraction (a ratio needs the layers: engine.budget.layers.limit_for)."""
+        """Bytes, for a size or a fraction (a ratio needs the layers: engine.budget.layers.ratio_target)."""
         if self.ratio is not None:
-            raise ValueError("a ratio's limit depends on the layers: use engine.budget.layers.limit_for")
+            raise ValueError("a ratio's limit depends on the layers: use engine.budget.layers.ratio_target")
         return self.bytes if self.bytes is not None else int(self.fraction * original_peak)
 
     def __str__(self) -> str:
