@@ -15,6 +15,7 @@ each measured peak is printed beside its budget and the peak model's estimate.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def onnx_sweep(args) -> None:
 def torch_sweep(args) -> None:
     common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={args.layers}",
               f"--d-model={args.d_model}", f"--heads={args.heads}", f"--seq={args.seq}",
-              f"--repeats={args.repeats}"]
+              f"--repeats={args.repeats}", "--json"]
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
     probe = subprocess.run(step + ["--configs", "compile", "budget-0.1"], capture_output=True, text=True,
                            cwd=ROOT, timeout=args.timeout)
@@ -125,7 +126,7 @@ def torch_sweep(args) -> None:
               f"{est if est is not None else float('nan'):>10.1f} "
               f"{(est or 0) / max(row['above'], 1e-9):>9.3f} {row['seconds']:>7.3f} "
               f"{row['seconds'] / rows['budget-0.1']['seconds'] if 'budget-0.1' in rows else float('nan'):>12.3f} "
-              f"{row['error']:>8}")
+              f"{row['error'] if row['error'] is not None else float('nan'):>8.1e}")
         if name != next(iter(budgets)):       # the sweep proper, from 0.9x down
             worst = max(worst, ratio)
             monotone = monotone and (last is None or row["above"] <= last * 1.005)
@@ -136,20 +137,9 @@ def torch_sweep(args) -> None:
 
 
 def _step_rows(text: str) -> dict[str, dict]:
-    """bench/torch_step.py's table: name, rest, peak, ..., step s, ..., estimate."""
-    rows = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 6 or not parts[1].replace(".", "", 1).isdigit():
-            continue
-        try:
-            rest, peak, seconds = float(parts[1]), float(parts[2]), float(parts[4])
-        except ValueError:
-            continue
-        estimate = float(parts[-2]) if parts[-2] != "-" else None
-        error = parts[6] if len(parts) > 8 else "-"       # the error column is empty without eager
-        rows[parts[0]] = {"above": peak - rest, "seconds": seconds, "estimate": estimate, "error": error}
-    return rows
+    """bench/torch_step.py's rows, from the JSON line `--json` prints last."""
+    lines = [line for line in text.splitlines() if line.startswith('{"rows"')]
+    return {row["name"]: row for row in json.loads(lines[-1])["rows"]} if lines else {}
 
 
 def main() -> None:

@@ -280,7 +280,8 @@ def main() -> None:
         if ref is not None:
             got = torch.load(args.out / f"{name}.pt")
             pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
-            err = f"{max(relative_error(a, b) for a, b in pairs):.1e}"
+            r["error"] = max(relative_error(a, b) for a, b in pairs)
+            err = f"{r['error']:.1e}"
         ratio = f"{r['peak'] / base['peak']:.3f}" if base else ""
         tratio = f"{r['seconds'] / base['seconds']:.3f}" if base else ""
         above = r["peak"] - r["rest"]
@@ -294,7 +295,8 @@ def main() -> None:
         print(f"{rows[best]['peak'] / base['peak']:.3f}")
     if args.json:
         print(json.dumps({"rows": [{"name": n, "above": r["peak"] - r["rest"], "seconds": r["seconds"],
-                                    "compile_seconds": r["compile_seconds"], "estimate": r["estimate"]}
+                                    "compile_seconds": r["compile_seconds"], "estimate": r["estimate"],
+                                    "error": r.get("error")}
                                    for n, r in rows.items()]}))
 
 
