@@ -79,5 +79,7 @@ def profile_for(device: str | DeviceProfile | None) -> DeviceProfile:
         import torch
 
         gpu = torch.cuda.get_device_name(torch.device(name)).lower()
-        return next((p for key, p in PRESETS.items() if key in gpu), PRESETS["h100"])
+        profile = next((p for key, p in PRESETS.items() if key in gpu), PRESETS["h100"])
+        # float32 matmuls run on TF32 tensor cores only where this process allowed it.
+        return profile.with_tf32() if torch.backends.cuda.matmul.allow_tf32 else profile
     return preset(name)

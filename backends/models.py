@@ -22,6 +22,9 @@ class GPTConfig:
     heads: int = 4
     seq: int = 512
     batch: int = 8
+    # "explicit" writes attention out (softmax visible to the rules); "sdpa" calls
+    # F.scaled_dot_product_attention, as GPU models do (flash / memory-efficient kernels).
+    attention: str = "explicit"
 
 
 DEMO_CONFIG = GPTConfig(vocab=2048, d_model=128, layers=2, heads=4, seq=256, batch=8)
@@ -29,9 +32,12 @@ DESIGN_CONFIG = GPTConfig()
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, attention: str = "explicit"):
         super().__init__()
+        if attention not in ("explicit", "sdpa"):
+            raise ValueError(f"attention must be 'explicit' or 'sdpa', not {attention!r}")
         self.heads = heads
+        self.attention = attention
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -46,10 +52,13 @@ class Block(nn.Module):
         q = q.view(b, t, h, d // h).transpose(1, 2)
         k = k.view(b, t, h, d // h).transpose(1, 2)
         v = v.view(b, t, h, d // h).transpose(1, 2)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // h) ** 0.5)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // h) ** 0.5)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -60,7 +69,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, cfg.attention) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 

@@ -91,7 +91,7 @@ def onnx_sweep(args) -> None:
 def torch_sweep(args) -> None:
     common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={args.layers}",
               f"--d-model={args.d_model}", f"--heads={args.heads}", f"--seq={args.seq}",
-              f"--repeats={args.repeats}", "--json"]
+              f"--repeats={args.repeats}", f"--device={args.device}", "--json"]
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
     probe = subprocess.run(step + ["--configs", "compile", "budget-0.1"], capture_output=True, text=True,
                            cwd=ROOT, timeout=args.timeout)
@@ -106,12 +106,16 @@ def torch_sweep(args) -> None:
     budgets = {f"remat-budget-{anchor:.0f}MiB": anchor}
     budgets.update({f"remat-budget-{f * original:.0f}MiB": f * original for f in FRACTIONS})
     configs = ["eager", "compile", "budget-0.1", *budgets]
-    sweep = subprocess.run(step + ["--rounds", str(args.rounds), "--configs", *configs], capture_output=True,
-                           text=True, cwd=ROOT, timeout=args.timeout * 4)
-    print(sweep.stdout)
-    if sweep.returncode:
-        print(sweep.stderr[-2000:])
-    rows = _step_rows(sweep.stdout)
+    # Streamed, line by line: a run stopped by a time limit still shows the rows it measured.
+    sweep = subprocess.Popen(step + ["--rounds", str(args.rounds), "--configs", *configs], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)
+    lines = []
+    for line in sweep.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    if sweep.wait():
+        print(f"bench/torch_step.py exited with {sweep.returncode}")
+    rows = _step_rows("".join(lines))
     print(f"{'budget':>8} {'x compile':>10} {'measured':>9} {'meas/budget':>12} {'estimated':>10} {'est/meas':>9} "
           f"{'step s':>7} {'/budget-0.1':>12} {'rel err':>8}")
     worst, monotone, last = 0.0, True, None
@@ -149,6 +153,7 @@ def main() -> None:
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--torch", action="store_true", help="also the torch path (slow: many compiles)")
     ap.add_argument("--skip-onnx", action="store_true")
+    ap.add_argument("--device", default="cpu", help="where the torch path runs (cuda: peaks are max_memory_allocated)")
     args = ap.parse_args()
     if not args.skip_onnx:
         onnx_sweep(args)

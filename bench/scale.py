@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_point(args, layers: int, seq: int) -> dict[str, dict]:
     common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={layers}", f"--d-model={args.d_model}",
               f"--heads={args.heads}", f"--seq={seq}", f"--repeats={args.repeats}", f"--device={args.device}",
-              "--json"]
+              f"--attention={args.attention}", "--json"]
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
     rows: dict[str, dict] = {}
     for config in ("compile", f"budget-{args.torch_budget}"):
@@ -53,10 +53,12 @@ def main() -> None:
                           ("timeout", 1800)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--fraction", type=float, default=0.7, help="remat's budget, of torch.compile's peak")
     ap.add_argument("--torch-budget", type=float, default=0.5, help="activation_memory_budget to compare with")
     args = ap.parse_args()
-    print(f"GPT-like, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, batch {args.batch}, {args.device}; "
+    print(f"GPT-like, d {args.d_model}, {args.heads} heads, {args.attention} attention, vocab {args.vocab}, "
+          f"batch {args.batch}, {args.device}; "
           f"remat at {args.fraction:g}x torch.compile's peak; peak above rest in MiB, times in s")
     print(f"{'layers':>6} {'seq':>5} {'configuration':>22} {'compile s':>10} {'/compile':>9} {'step s':>8} "
           f"{'/compile':>9} {'peak':>8} {'/compile':>9}")

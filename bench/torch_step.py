@@ -91,7 +91,7 @@ def child(name: str, args) -> dict:
     device = torch.device(args.device)
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
-                    heads=args.heads, seq=args.seq)
+                    heads=args.heads, seq=args.seq, attention=args.attention)
     model = gpt(cfg).to(device)
     inputs = [t.to(device) for t in model.example_inputs()]
     if name == "checkpoint":
@@ -206,12 +206,28 @@ def estimate_partitions() -> list[int]:
     return estimates
 
 
+def run_child(command: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """One configuration's process, stopped after `timeout` seconds (then it failed, saying so)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(command, 124, "", f"stopped after its time limit, {timeout} s")
+
+
+def progress(name: str, row: dict) -> None:
+    """One line per configuration as it finishes, so a run stopped by a time limit still says
+    what it measured."""
+    print(f"# {name}: peak {row['peak'] - row['rest']:.1f} MiB above rest, step {row['seconds']:.4f} s, "
+          f"compile {row['compile_seconds']:.1f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for flag, default in (("vocab", 4096), ("batch", 8), ("layers", 4), ("d-model", 256), ("heads", 4),
-                          ("seq", 512), ("threads", 2), ("repeats", 3)):
+                          ("seq", 512), ("threads", 2), ("repeats", 3), ("timeout", 1200)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -247,8 +263,7 @@ def main() -> None:
             # configuration's peak is taken from the same, cached, state.
             # With --rounds R the timed processes run R times, the configurations interleaved,
             # and each row gets the median: this machine's speed drifts between processes.
-            timed = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name],
-                                   capture_output=True, text=True, cwd=ROOT)
+            timed = run_child([sys.executable, __file__, *sys.argv[1:], "--child", name], args.timeout)
             if timed.returncode != 0:
                 print(f"{name}: failed\n{timed.stderr[-1500:]}")
                 continue
@@ -258,21 +273,27 @@ def main() -> None:
                 estimates[name] = timed_row["estimate"], timed_row["compile_seconds"]
             if round_:
                 continue
+            if args.device.startswith("cuda"):
+                # max_memory_allocated counts tensors alone: the timed process's own reading holds.
+                rows[name] = timed_row
+                progress(name, timed_row)
+                continue
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
-                                  env=env, capture_output=True, text=True, cwd=ROOT)
+            proc = run_child([sys.executable, __file__, *sys.argv[1:], "--child", name, "--repeats", "1"],
+                             args.timeout, env)
             if proc.returncode != 0:
                 print(f"{name}: failed\n{proc.stderr[-1500:]}")
                 continue
             rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            progress(name, dict(rows[name], seconds=timed_row["seconds"]))
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
         row["estimate"], row["compile_seconds"] = estimates.get(name, (None, None))
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
-    unit = "MiB (max_memory_allocated)" if args.device == "cuda" else "MiB (process VmHWM)"
+    unit = "MiB (max_memory_allocated)" if args.device.startswith("cuda") else "MiB (process VmHWM)"
     print(f"GPT-like: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
-          f"seq {args.seq}; {args.device}, {args.threads} threads; peak in {unit}")
+          f"seq {args.seq}, {args.attention} attention; {args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
           f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")
     for name, r in rows.items():

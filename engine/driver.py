@@ -156,15 +156,20 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
     return done
 
 
-MAX_PROBES = 8         # rewrites simulated while searching the planner's budget
+MAX_PROBES = 6         # rewrites built and simulated while searching the planner's budget
+GAIN_FLOOR = 20e-6     # seconds: a probe whose choice saves less than this (or 2%) is not built
 
 
 def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tuple[str, ...],
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
-    judges. The largest model budget whose rewrite the backend simulates within the user's
-    budget is found by bisection between the model's lowest reachable peak and the original's
-    (the first probe is the user's budget itself, which is the answer when the two agree)."""
+    judges. The search is over the budget given to the model: the user's budget first, then a
+    secant step by what the simulation said (down by the overshoot, up by the slack), bisecting
+    where the step leaves the bracket. Each probe builds and simulates a whole rewrite (seconds on
+    a large model), so it is built only when it could pay: a model budget whose choice is a
+    selection already built, or saves too little extra time over the best fitting rewrite, is
+    judged without building. The search ends when the best rewrite nearly fills the budget, the
+    bracket closes, or MAX_PROBES rewrites were built."""
     from .analysis import analyze
     from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, ratio_target, reach
 
@@ -177,13 +182,15 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     planned_on = builder.current(False)
     original, lowest = reach(planning, planned_on, device)
     target = note = None
+    built: dict[frozenset, Rewrite] = {}
+    holding: list[Rewrite | None] = [None]         # the rewrite the builder's graph is now
 
-    def probe(model_budget: int) -> Rewrite:
+    def build(choice: Choice) -> Rewrite:
         builder.start()
-        choice = choose(planning, planned_on, Budget(bytes=max(1, model_budget)), device)
         choice.budget, choice.note = target, note
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
         done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
+        holding[0] = done
         return done
 
     def everything() -> Rewrite:
@@ -197,6 +204,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
         done.choice = Choice(target, original_peak, done.simulated_peak,
                              sum(p.extra_seconds or 0.0 for p in plans), selection, note=note)
+        holding[0] = done
         return done
 
     floor = None
@@ -212,29 +220,41 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     else:
         target, note = budget.limit(original_peak), ""   # a fraction: of the peak the backend simulates
     target = max(1, target)
-    lo, hi = lowest, max(original, lowest)
-    first = min(max(target, lo), hi)
-    done = probe(first)
-    if done.simulated_peak <= target:
-        best, lo = done, first
-    else:
-        hi = first
+    lo, hi = lowest, max(original, lowest) + 1    # model budgets: lo fits (or is the floor), hi does not
+    best: Rewrite | None = None
+    model = min(max(target, lo), hi - 1)
+    probes = 0
+    while probes < MAX_PROBES and lo < model < hi or model == lo and best is None and probes == 0:
+        choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device)
+        key = frozenset(choice.selection.items())
+        gain = best.choice.extra_seconds - choice.extra_seconds if best is not None else None
+        if key in built:
+            done = built[key]
+        elif gain is not None and gain <= max(GAIN_FLOOR, 0.02 * best.choice.extra_seconds):
+            done = None
+        else:
+            done = built[key] = build(choice)
+            probes += 1
+        if done is None:            # no cheaper than the best that fits: as good as fitting
+            lo, step = model, None
+        elif done.simulated_peak <= target:
+            if best is None or done.choice.extra_seconds < best.choice.extra_seconds:
+                best = done
+            lo, slack = model, target - done.simulated_peak
+            if slack <= target // 50:
+                break               # the budget is nearly full: a larger model budget would overshoot
+            step = model + slack
+        else:
+            hi, step = model, model - (done.simulated_peak - target)
+        model = step if step is not None and lo < step < hi else (lo + hi) // 2
+        if hi - lo <= max(target // 100, 1):
+            break
+    if best is None:
         best = floor or everything()
         if best.simulated_peak > target:
             raise BudgetError(target, best.simulated_peak, original_peak, tiers)
-        lo = min(lo, first)
-        floor = best
-    for _ in range(MAX_PROBES):
-        if hi - lo <= max(target // 100, 1):
-            break
-        mid = (lo + hi) // 2
-        done = probe(mid)
-        if done.simulated_peak <= target:
-            best, lo = done, mid
-        else:
-            hi = mid
-    if best is not done:        # the builder holds the last probe's graph: rebuild the best one
-        best = everything() if best is floor else probe(lo)
+    if holding[0] is not best:      # the builder holds another probe's graph: rebuild the best one
+        best = everything() if best is floor else build(best.choice)
     return best
 
 

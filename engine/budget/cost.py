@@ -6,6 +6,7 @@ the bytes of what the op reads and writes. A device profile turns them into seco
 """
 from __future__ import annotations
 
+from ..dtypes import DType
 from ..ir import Node, Value
 from ..op_cost import default_cost, node_cost
 from ..patterns import RuleSet
@@ -30,12 +31,26 @@ def node_work(node: Node, rules: RuleSet, examples: dict[str, int]) -> tuple[flo
     return _size(flops, examples), _size(moved, examples)
 
 
-def recompute_seconds(region: Region, rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:
-    flops = moved = 0.0
-    for node in region.nodes:
+HALF = (DType.BFLOAT16, DType.FLOAT16)
+
+
+def work(nodes: list[Node], rules: RuleSet, examples: dict[str, int]) -> tuple[float, float, float]:
+    """(float32 FLOPs, 16-bit FLOPs, bytes moved) of one run of `nodes`: a node's FLOPs count
+    at the 16-bit rate when its first output is bfloat16 or float16."""
+    flops = half = moved = 0.0
+    for node in nodes:
         f, m = node_work(node, rules, examples)
-        flops, moved = flops + f, moved + m
-    return device.seconds(flops, moved, len(region.nodes))
+        if node.outputs and node.outputs[0].dtype in HALF:
+            half += f
+        else:
+            flops += f
+        moved += m
+    return flops, half, moved
+
+
+def recompute_seconds(region: Region, rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:
+    flops, half, moved = work(region.nodes, rules, examples)
+    return device.seconds(flops, moved, len(region.nodes), half)
 
 
 def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: dict[str, int],
@@ -45,12 +60,8 @@ def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: di
     per_pass = sum(len(phase.nodes) for phase in region.phases) or len(region.nodes)
     sums = [o for o in region.outputs if region.meta_of(o).need_sum]
     accumulate = sum(2 * _size(o.nbytes, examples) for o in sums) * (slices - 1)
-    flops = moved = 0.0
-    for phase in region.phases:
-        for node in phase.recomputed:
-            f, m = node_work(node, rules, examples)
-            flops, moved = flops + f, moved + m
-    return device.seconds(flops, moved + accumulate, per_pass * (slices - 1))
+    flops, half, moved = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
+    return device.seconds(flops, moved + accumulate, per_pass * (slices - 1), half)
 
 
 def value_bytes(v: Value, examples: dict[str, int]) -> int:

@@ -1,13 +1,21 @@
 """Device profiles: what turns FLOPs, bytes moved and kernel launches into seconds.
 
-A profile is three numbers. The GPU presets are the vendors' dense peak figures (TF32 tensor
-cores for matmuls, HBM bandwidth) derated to what a training step sustains, and a launch
-cost typical of a CUDA kernel from a compiled graph; the CPU profile is measured on the
-machine once and cached (backends/device.py), since CPUs differ too much for a table.
+A profile is a FLOP rate for float32 work, one for 16-bit work, a memory bandwidth and the
+fixed cost of one kernel. The GPU presets are the vendors' dense peak figures derated to what a
+training step sustains, and a launch cost typical of a CUDA kernel from a compiled graph; the
+CPU profile is measured on the machine once and cached (backends/device.py), since CPUs differ
+too much for a table.
+
+Float32 is the trap: PyTorch runs float32 matmuls without TF32 unless the user opts in
+(`torch.backends.cuda.matmul.allow_tf32`, `set_float32_matmul_precision("high")`), so an H100
+does them at its CUDA cores' 67 TFLOP/s, not its tensor cores' 495. A profile that assumed TF32
+made recomputing matmuls look 7x cheaper than it was: on an H100 the planner chose matmul
+recomputes that cost 1.6x torch.compile's step at 0.6x its peak. `with_tf32()` gives the
+profile for a process that did opt in (backends/device.py asks torch).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -16,21 +24,32 @@ class DeviceProfile:
     flops_per_s: float        # sustained, matmul-dominated
     bytes_per_s: float        # sustained memory bandwidth
     launch_s: float           # fixed cost of one kernel (or one op on a CPU)
+    half_flops_per_s: float | None = None    # bfloat16/float16 work; None: as float32
+    tf32_flops_per_s: float | None = None    # float32 matmuls where TF32 is allowed
 
-    def seconds(self, flops: float, moved: float, kernels: float) -> float:
-        return flops / self.flops_per_s + moved / self.bytes_per_s + kernels * self.launch_s
+    def seconds(self, flops: float, moved: float, kernels: float, half_flops: float = 0.0) -> float:
+        """`flops` run at the float32 rate, `half_flops` at the 16-bit one."""
+        return (flops / self.flops_per_s + half_flops / (self.half_flops_per_s or self.flops_per_s)
+                + moved / self.bytes_per_s + kernels * self.launch_s)
+
+    def with_tf32(self) -> "DeviceProfile":
+        """This profile where float32 matmuls may run on TF32 tensor cores."""
+        if self.tf32_flops_per_s is None:
+            return self
+        return replace(self, name=f"{self.name}-tf32", flops_per_s=self.tf32_flops_per_s)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 PRESETS = {
-    # H100 SXM: 495 TFLOP/s TF32 dense, 3.35 TB/s; about 60% and 80% of it sustained.
-    "h100": DeviceProfile("h100", 300e12, 2.7e12, 5e-6),
+    # H100 SXM: 67 TFLOP/s float32, 989 bfloat16 and 495 TF32 dense, 3.35 TB/s; about 60% of
+    # the compute and 80% of the bandwidth sustained.
+    "h100": DeviceProfile("h100", 40e12, 2.7e12, 5e-6, 600e12, 300e12),
     # H200: the same compute, 4.8 TB/s.
-    "h200": DeviceProfile("h200", 300e12, 3.8e12, 5e-6),
-    # A100 SXM: 156 TFLOP/s TF32 dense, 2.0 TB/s.
-    "a100": DeviceProfile("a100", 95e12, 1.6e12, 6e-6),
+    "h200": DeviceProfile("h200", 40e12, 3.8e12, 5e-6, 600e12, 300e12),
+    # A100 SXM: 19.5 TFLOP/s float32, 312 bfloat16, 156 TF32 dense, 2.0 TB/s.
+    "a100": DeviceProfile("a100", 12e12, 1.6e12, 6e-6, 190e12, 95e12),
     # A conservative CPU for when nothing was measured: two cores of a server.
     "cpu-default": DeviceProfile("cpu-default", 100e9, 10e9, 20e-6),
 }

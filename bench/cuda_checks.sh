@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks of the budget planner and of GPU speed (issues 13 and 14), on a lent CUDA device.
+# Each step has its own time limit and writes its log under $OUT (default /tmp/remat-cuda) as it
+# goes, so one slow configuration costs nothing else. Steps: budget, table, real, sdpa, scale.
+#
+#     bash bench/cuda_checks.sh budget table      # the budget sweep, then issue 14's four configurations
+set -u
+OUT=${OUT:-/tmp/remat-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 REMAT_STRICT=1
+PY=${PYTHON:-python3}
+step() {   # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.log"
+    local begin=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - begin))s" | tee -a "$OUT/summary.log"
+    tail -n 25 "$OUT/$name.log" | tee -a "$OUT/summary.log"
+}
+for what in "$@"; do
+    case $what in
+    budget)   # issue 13: the torch sweep on CUDA; remat at activation_memory_budget=0.1's peak
+        step budget 390 $PY bench/budget.py --torch --skip-onnx --device cuda --rounds 1 --repeats 20 ;;
+    table)    # issue 14: GPT-like d256, 4 layers, seq 512 at vocab 32768, batch 4 (vocab 4096 is the budget sweep's)
+        step table32768 200 $PY bench/torch_step.py --device cuda --repeats 20 --json --vocab 32768 --batch 4 \
+            --configs eager compile budget-0.1 remat-budget-0.6 remat-budget-0.5 ;;
+    unbudgeted)   # every plan the rules match, as before the planner
+        step unbudgeted 200 $PY bench/torch_step.py --device cuda --repeats 20 --json --configs remat remat-expensive ;;
+    real)     # issue 14: the model of real size
+        step real 430 $PY bench/scale.py --device cuda --layers 8 --seq 1024 --d-model 1024 --heads 16 \
+            --vocab 32768 --batch 8 --repeats 5 --timeout 140 --torch-budget 0.1 ;;
+    sdpa)
+        step sdpa 300 $PY bench/scale.py --device cuda --layers 8 --seq 1024 --d-model 1024 --heads 16 \
+            --vocab 32768 --batch 8 --repeats 10 --timeout 150 --torch-budget 0.1 --attention sdpa ;;
+    scale)
+        step scale 560 $PY bench/scale.py --device cuda --layers 4 8 16 32 --seq 1024 --repeats 10 --timeout 120 ;;
+    *) echo "unknown step: $what" >&2; exit 2 ;;
+    esac
+done
