@@ -261,3 +261,29 @@ def _torch_budget_case(torch, widths, activation, fraction):
     assert relative_error(loss, want_loss) <= 1e-5
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("fraction", [0.98, 0.95, 0.7])
+def test_the_budget_search_builds_a_few_rewrites(monkeypatch, fraction):
+    """Each probe builds and simulates a whole rewrite (seconds on a large model): the search
+    simulates at most MAX_PROBES of them (plus the original, the floor and a rebuild), and what
+    it returns fits and costs no more than the plans that reach the lowest peak."""
+    from backends.onnx.rewrite import OnnxBuilder
+    from engine.budget import reach
+    from engine.driver import MAX_PROBES
+
+    simulated = []
+    original_simulate = OnnxBuilder.simulate
+    monkeypatch.setattr(OnnxBuilder, "simulate", lambda self, g: simulated.append(1) or original_simulate(self, g))
+    _, _, graph = _mlp([512, 512, 256, 512], ["Gelu", "Tanh", "Sigmoid", "Gelu"], 1)
+    try:
+        rewrite = apply_rules(graph, RULES, tiers=["expensive"], budget=fraction, device=DEVICE)
+    except BudgetError as err:      # every probe overshot and so did the floor: still a bounded search
+        assert err.lowest > err.budget
+        assert 2 <= len(simulated) <= MAX_PROBES + 3
+        return
+    assert 2 <= len(simulated) <= MAX_PROBES + 3
+    assert rewrite.simulated_peak <= rewrite.choice.budget
+    planning = plan_all(lambda fold: graph, RULES, ("expensive",))
+    floor = choose(planning, graph, reach(planning, graph, DEVICE)[1], DEVICE)
+    assert rewrite.choice.extra_seconds <= floor.extra_seconds + 1e-12
