@@ -164,8 +164,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
     judges. The search is over the budget given to the model: the user's budget first, then a
-    secant step by what the simulation said (down by the overshoot, up by the slack), bisecting
-    where the step leaves the bracket. Each probe builds and simulates a whole rewrite (seconds on
+    secant step by what the simulation said (down by the overshoot, at least doubling; up by the
+    slack), bisecting where the step leaves the bracket. Each probe builds and simulates a whole rewrite (seconds on
     a large model), so it is built only when it could pay: a model budget whose choice is a
     selection already built, or saves too little extra time over the best fitting rewrite, is
     judged without building. The search ends when the best rewrite nearly fills the budget, the
@@ -223,7 +223,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     lo, hi = lowest, max(original, lowest) + 1    # model budgets: lo fits (or is the floor), hi does not
     best: Rewrite | None = None
     model = min(max(target, lo), hi - 1)
-    probes = 0
+    probes = down = 0
     while probes < MAX_PROBES and lo < model < hi or model == lo and best is None and probes == 0:
         choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device)
         key = frozenset(choice.selection.items())
@@ -245,7 +245,11 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
         else:
-            hi, step = model, model - (done.simulated_peak - target)
+            # Down by the overshoot, but by at least an eighth of the way to the floor and twice
+            # the last step down: the allocator rounds small changes away (a probe 4 MiB lower can
+            # simulate exactly as high), so steps of the overshoot alone can crawl.
+            down = max(done.simulated_peak - target, 2 * down, (model - lo) // 8)
+            hi, step = model, model - down
         model = step if step is not None and lo < step < hi else (lo + hi) // 2
         if hi - lo <= max(target // 100, 1):
             break
