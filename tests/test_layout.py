@@ -21,7 +21,7 @@ def test_every_shipped_rule_file_explains_itself():
 
 # Kinds of file the repository holds: source, rules, docs and build files. Anything generated
 # (models, inputs, profiles, plots, logs) is ignored, never tracked.
-TRACKED_SUFFIXES = {".py", ".rule", ".lark", ".md", ".toml"}
+TRACKED_SUFFIXES = {".py", ".sh", ".rule", ".lark", ".md", ".toml"}
 TRACKED_NAMES = {"Makefile", ".gitignore", "run"}
 
 
