@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the budget planner and of GPU speed (issues 13 and 14), on a lent CUDA device.
 # Each step has its own time limit and writes its log under $OUT (default /tmp/remat-cuda) as it
-# goes, so one slow configuration costs nothing else. Steps: budget, table, real, sdpa, scale.
+# goes, so one slow configuration costs nothing else. Steps: budget, table, unbudgeted, real, sdpa,
+# scale.
 #
 #     bash bench/cuda_checks.sh budget table      # the budget sweep, then issue 14's four configurations
 set -u

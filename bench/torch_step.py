@@ -285,7 +285,7 @@ def main() -> None:
                 print(f"{name}: failed\n{proc.stderr[-1500:]}")
                 continue
             rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            progress(name, dict(rows[name], seconds=timed_row["seconds"]))
+            progress(name, dict(rows[name], seconds=timed_row["seconds"], compile_seconds=timed_row["compile_seconds"]))
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
         row["estimate"], row["compile_seconds"] = estimates.get(name, (None, None))

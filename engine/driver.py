@@ -164,11 +164,11 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
     judges. The search is over the budget given to the model: the user's budget first, then a
-    secant step by what the simulation said (down by the overshoot, at least doubling; up by the
-    slack), bisecting where the step leaves the bracket. Each probe builds and simulates a whole rewrite (seconds on
-    a large model), so it is built only when it could pay: a model budget whose choice is a
-    selection already built, or saves too little extra time over the best fitting rewrite, is
-    judged without building. The search ends when the best rewrite nearly fills the budget, the
+    secant step by what the simulation said (down by the overshoot, at least doubling; up by
+    the slack), bisecting where the step leaves the bracket. Each probe builds and simulates a
+    whole rewrite (seconds on a large model), so it is built only when it could pay: a model
+    budget whose choice is a selection already built, or saves too little extra time over the
+    best fitting rewrite, is judged without building. The search ends when the best rewrite nearly fills the budget, the
     bracket closes, or MAX_PROBES rewrites were built."""
     from .analysis import analyze
     from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, ratio_target, reach
@@ -183,18 +183,20 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     original, lowest = reach(planning, planned_on, device)
     target = note = None
     built: dict[frozenset, Rewrite] = {}
-    holding: list[Rewrite | None] = [None]         # the rewrite the builder's graph is now
+    holding: Rewrite | None = None          # the rewrite the builder's graph is now
 
     def build(choice: Choice) -> Rewrite:
+        nonlocal holding
         builder.start()
         choice.budget, choice.note = target, note
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
         done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
-        holding[0] = done
+        holding = done
         return done
 
     def everything() -> Rewrite:
         """Every plan the rules offer (what `remat apply` does without a budget): the lowest peak."""
+        nonlocal holding
         builder.start()
         done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded)
         done.simulated_peak = builder.simulate(done.result.graph)
@@ -204,7 +206,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
         done.choice = Choice(target, original_peak, done.simulated_peak,
                              sum(p.extra_seconds or 0.0 for p in plans), selection, note=note)
-        holding[0] = done
+        holding = done
         return done
 
     floor = None
@@ -220,11 +222,12 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     else:
         target, note = budget.limit(original_peak), ""   # a fraction: of the peak the backend simulates
     target = max(1, target)
-    lo, hi = lowest, max(original, lowest) + 1    # model budgets: lo fits (or is the floor), hi does not
+    # Model budgets, both bounds exclusive: at lo and below nothing cheaper fits, hi overshoots.
+    lo, hi = lowest - 1, max(original, lowest) + 1
     best: Rewrite | None = None
-    model = min(max(target, lo), hi - 1)
+    model = min(max(target, lowest), hi - 1)
     probes = down = 0
-    while probes < MAX_PROBES and lo < model < hi or model == lo and best is None and probes == 0:
+    while probes < MAX_PROBES and lo < model < hi:
         choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device)
         key = frozenset(choice.selection.items())
         gain = best.choice.extra_seconds - choice.extra_seconds if best is not None else None
@@ -257,7 +260,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         best = floor or everything()
         if best.simulated_peak > target:
             raise BudgetError(target, best.simulated_peak, original_peak, tiers)
-    if holding[0] is not best:      # the builder holds another probe's graph: rebuild the best one
+    if holding is not best:         # the builder holds another probe's graph: rebuild the best one
         best = everything() if best is floor else build(best.choice)
     return best
 
