@@ -352,7 +352,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(fn=cmd_measure)
-    p = sub.add_parser("export-gpt", help="export the GPT-like training step of DESIGN.md to ONNX")
+    p = sub.add_parser("export-gpt", help="export the GPT-like training step (docs/design.md) to ONNX")
     p.add_argument("-o", "--output", required=True)
     for name, default in (("vocab", 4096), ("d-model", 256), ("layers", 4), ("heads", 4),
                           ("seq", 512), ("batch", 8)):

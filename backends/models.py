@@ -1,6 +1,6 @@
 """Small torch models for the demo, the benchmarks and the tests.
 
-`GPT` is DESIGN.md's GPT-like model: token and position embeddings, pre-norm
+`GPT` is the GPT-like model of docs/design.md: token and position embeddings, pre-norm
 blocks with causal self-attention (written out, so the softmax is an op the
 rules can see) and a GELU MLP, a final layer norm, and a linear head into
 cross-entropy.

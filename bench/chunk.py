@@ -3,10 +3,10 @@
 (a) Linear + cross-entropy alone: remat's chunk rule against Inductor's auto-chunker. 4096
     tokens, 128 hidden, vocab 16384 (256 MiB of logits), one training step (the input's
     gradient too, as inside a model): two warm-up steps, then the peak above the resting RSS
-    during one step (MALLOC_MMAP_THRESHOLD_=65536, clear_refs, VmHWM, as DESIGN.md measures)
+    during one step (MALLOC_MMAP_THRESHOLD_=65536, clear_refs, VmHWM, as docs/design.md measures)
     and the median step time. remat slices with a rule whose count is fixed (`chunk over h
     along 0 into N`); the auto-chunker with `auto_chunker.num_chunk = N`.
-(b) The GPT-like model of DESIGN.md with vocab 32768, batch 4, in torch: bench/torch_step.py
+(b) The GPT-like model of docs/design.md with vocab 32768, batch 4, in torch: bench/torch_step.py
     with torch.compile default, the auto-chunker, the hand-chunked loss and backend="remat".
 (c) The same model's training graph in ONNX Runtime: the exported graph, then `remat apply`
     (chunk regions as Loops, then recompute), the same with the slices unrolled instead of

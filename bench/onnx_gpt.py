@@ -1,4 +1,4 @@
-"""The GPT-like training step of DESIGN.md as an ONNX graph, in ONNX Runtime, before and after remat.
+"""The GPT-like training step of docs/design.md as an ONNX graph, in ONNX Runtime, before and after remat.
 
 Exports the step (vocab 4096, batch 8, 4 layers, d 256, seq 512 by default), checks its gradients
 against torch, and measures in one run, each graph in its own process (default session, arena off

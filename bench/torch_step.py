@@ -1,10 +1,10 @@
-"""One training step of DESIGN.md's GPT-like model under torch, each configuration in its own process.
+"""One training step of the GPT-like model (docs/design.md) under torch, each configuration in its own process.
 
 Configurations: eager, per-block torch.utils.checkpoint, torch.compile (Inductor), the
 partitioner's activation_memory_budget at 0.5 and 0.1, and torch.compile(backend="remat")
 with the shipped rules (default tier, and --tier expensive). Peak is the whole process's
 VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, clear_refs),
-as DESIGN.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
+as docs/design.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
 of --repeats steps in another process, with the default allocator (see main()); with --rounds R,
 the median over R such processes, the configurations interleaved. Loss and gradients are
 compared with eager. The estimate column is backends.fx.peak's model of the peak above rest,
@@ -34,7 +34,7 @@ CONFIGS = ["eager", "checkpoint", "compile", "budget-0.5", "budget-0.1", "auto-c
 
 
 def hand_chunked_loss(chunks: int):
-    """Linear + cross-entropy written by hand, slice by slice (8 slices, as DESIGN.md's anchor):
+    """Linear + cross-entropy written by hand, slice by slice (8 slices, as docs/design.md's anchor):
     each slice's logits give its loss and, right away, its gradients; backward only scales them."""
     import torch
 

@@ -52,7 +52,7 @@ def test_recompute_clones_survive_default_session_cse(tmp_path):
 
 
 def test_without_barrier_cse_merges_the_clones(tmp_path):
-    """The trap DESIGN.md measured, kept as a test: plain clones are merged back."""
+    """The trap docs/design.md records, kept as a test: plain clones are merged back."""
     model, _ = build_mlp(64, [Layer(256, "Gelu"), Layer(64, "Gelu")], dims=(512,), examples={})
     result = apply(import_model(model), RULES)
     assert result.plans[0].applied == 1

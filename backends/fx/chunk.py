@@ -4,7 +4,7 @@ The engine decides the region and each value's ChunkMeta (engine.strategies.chun
 module builds it. The region's fx nodes are copied into a subgraph (one per distinct slice
 size, so shapes stay static), called once per slice with `invoke_subgraph` — Inductor
 compiles the body once and cannot fuse the slices back together, and `scan` is not used
-because its gradients are wrong when the body holds a matmul (DESIGN.md). Outputs sliced
+because its gradients are wrong when the body holds a matmul (docs/design.md). Outputs sliced
 along a dim are concatenated, partial sums are added as the slices finish, and outputs
 computed with the incoming gradient as one are multiplied by it once. The nodes between the
 incoming gradient and the region are redone with a tensor of ones in its place, so nothing

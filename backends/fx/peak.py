@@ -5,7 +5,7 @@ further (its pattern matcher changes the loss's backward), AOTAutograd's min-cut
 splits it into a forward and a backward graph and chooses what the forward saves (recomputing
 cheap pointwise ops in the backward on its own), and Inductor fuses pointwise chains so that most
 of their values never get a buffer. A liveness walk of the joint graph missed all of that
-(DESIGN.md's GPT-like step: 585 MiB estimated, 461 MiB measured). So the estimate runs those
+(the GPT-like step of docs/design.md: 585 MiB estimated, 461 MiB measured). So the estimate runs those
 passes and the partitioner itself, on a copy, the way Inductor calls them, joins the forward and
 the backward into one step (the backward's saved inputs are the forward's values), and walks it
 with `engine.analysis.simulate_peak` under Inductor's rules:

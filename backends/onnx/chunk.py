@@ -13,7 +13,7 @@ order (see ort_schedule): it walks depth-first from the graph's leaves. An unrol
 one leaf per output, so the walk from the loss runs every slice's forward before the walk from
 the weight gradient runs any slice's backward, and every slice's log-softmax is alive at once.
 A Loop is one node to that walk; its body runs the slices one after another, and ONNX Runtime
-frees each iteration's values before the next. Measured on the GPT-like step of DESIGN.md
+frees each iteration's values before the next. Measured on the GPT-like step of docs/design.md
 (vocab 32768, batch 4; only the loss chunked, 16 slices; bench/chunk.py): 1333 MiB above rest
 unchunked, 887 MiB unrolled, 411 MiB as a Loop; step time 1.05x and 1.09x the original's.
 """

@@ -5,7 +5,7 @@ file order. It walks depth-first from the leaf nodes (nodes whose outputs
 nobody reads: the gradients), taking the leaf with the highest index first and,
 at each node, the input with the highest index first, and runs nodes in
 post-order. Two things follow for a training graph, both measured on the
-GPT-like model of DESIGN.md (vocab 4096, batch 8):
+GPT-like model of docs/design.md (vocab 4096, batch 8):
 
 * The walk starts at the highest-indexed leaf. If that is the last gradient of
   the backward pass, one walk runs the whole backward chain and every other

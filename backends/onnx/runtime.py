@@ -1,6 +1,6 @@
 """Run ONNX models with ONNX Runtime, and measure a run's peak memory and time.
 
-Peak memory is measured, not estimated (DESIGN.md): the run happens in its own
+Peak memory is measured, not estimated (docs/design.md): the run happens in its own
 process with MALLOC_MMAP_THRESHOLD_=65536 (so freed buffers go back to the OS),
 `5` is written to /proc/self/clear_refs after a warm-up run, and VmHWM is read
 after the measured run. The session is the default one (all graph

@@ -3,7 +3,7 @@
 The step is traced with make_fx through torch.autograd.grad and with the core
 ATen decompositions, then handed to torch.onnx's exporter. Decomposing first
 matters: exporting `nll_loss_backward` as is gave weight gradients 128x too
-large (DESIGN.md). `check_gradients` compares the exported graph with torch.
+large (docs/design.md, measured facts). `check_gradients` compares the exported graph with torch.
 
 Graph inputs are the module's inputs then its parameters (named after them);
 outputs are the loss then one gradient per parameter (`grad.<param>`).
@@ -60,7 +60,7 @@ class TracedStep:
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                         symbolic: bool = False) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
-    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; DESIGN.md)."""
+    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md)."""
     names = [n for n, _ in module.named_parameters()]
     params = [p.detach().clone() for _, p in module.named_parameters()]
     step = _step_fn(module, names, len(inputs))
@@ -142,7 +142,7 @@ def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol
 
 
 def export_gpt(cfg, output: str | Path, dynamic: bool = False) -> tuple[Path, float]:
-    """Export DESIGN.md's GPT-like training step, check its gradients against torch, save it."""
+    """Export the GPT-like training step of docs/design.md, check its gradients against torch, save it."""
     from backends.models import gpt
 
     from .runtime import run
