@@ -169,29 +169,10 @@ def _budget(args):
 
 
 def cmd_explain(args) -> int:
-    from engine.apply import plan
-    from engine.matcher import MatchContext, explain
+    from engine.why_not import why_not
 
-    graph = _load(args)
-    rules = _rules(args.rules)
-    planning = plan(graph, rules, args.tier, _forward(args))
-    if rules.rule(args.rule) is not None and planning.rules.rule(args.rule) is None:
-        tier = rules.rule(args.rule).tier
-        print(f"{args.rule} is in tier {tier!r}, which is not enabled; add --tier {tier}")
-        return 0
-    ctx = MatchContext(graph, planning.rules, planning.analysis)
-    refused = {id(r.match.root): r for r in planning.refusals if r.match.rule.name == args.rule}
-    planned = {id(region.match.root): p for p in planning.plans for region in p.occurrences
-               if region.match.rule.name == args.rule}
-    for item in explain(graph, planning.rules, args.rule, args.node, ctx):
-        if item.matched and item.node is not None and id(item.node) in refused:
-            reason = refused[id(item.node)].reason
-            print(f"{args.rule} matches at {item.node.name} ({item.node.op}) but does not fire:\n    {reason}")
-        elif item.matched and item.node is not None and id(item.node) in planned:
-            p = planned[id(item.node)]
-            print(f"{args.rule} fires at {item.node.name} ({item.node.op}): plan {p.config_string()}")
-        else:
-            print(item)
+    for line in why_not(_load(args), _rules(args.rules), args.rule, args.tier, args.node, _forward(args)):
+        print(line)
     return 0
 
 

@@ -1,42 +1,10 @@
-"""Build IR graphs by hand for engine tests (no ONNX, no torch)."""
+"""IR graphs for engine tests (no ONNX, no torch), built with engine.testing's GraphBuilder."""
 from __future__ import annotations
 
-from engine.dtypes import DType
-from engine.ir import Graph, Node, Value
-from engine.shapes import as_dim
+from engine.ir import Graph
+from engine.testing.graphs import GraphBuilder
 
-
-class GraphBuilder:
-    def __init__(self, examples: dict[str, int] | None = None):
-        self.nodes: list[Node] = []
-        self.inputs: list[Value] = []
-        self.weights: list[Value] = []
-        self.examples = examples or {}
-        self.count = 0
-
-    def input(self, name: str, dtype: str = "float32", shape=(1024, 1024), weight: bool = False) -> Value:
-        v = Value(name, DType.from_name(dtype), tuple(as_dim(d) for d in shape),
-                  is_input=not weight, is_initializer=weight)
-        (self.weights if weight else self.inputs).append(v)
-        return v
-
-    def op(self, op: str, inputs, dtype: str | None = None, shape=None, outputs: int = 1,
-           name: str | None = None, **attrs) -> Value | list[Value]:
-        self.count += 1
-        first = next((v for v in inputs if v is not None), None)
-        dt = DType.from_name(dtype) if dtype else (first.dtype if first else DType.FLOAT32)
-        sh = tuple(as_dim(d) for d in shape) if shape is not None else (first.shape if first else ())
-        base = name or f"{op.lower()}{self.count}"
-        outs = [Value(base if k == 0 else f"{base}_{k}", dt, sh) for k in range(outputs)]
-        self.nodes.append(Node(op, list(inputs), outs, attrs, f"n_{base}"))
-        return outs[0] if outputs == 1 else outs
-
-    def graph(self, outputs: list[Value], forward_outputs: list[str] | None = None) -> Graph:
-        g = Graph(self.nodes, self.inputs, outputs, self.weights, dim_examples=dict(self.examples))
-        if forward_outputs:
-            g.forward_outputs = forward_outputs
-        g.verify()
-        return g
+__all__ = ["GraphBuilder", "gelu_training_graph"]
 
 
 def gelu_training_graph(shape=("batch", 1024), examples=None, with_view: bool = True) -> Graph:

@@ -2,8 +2,9 @@
 
 Torch export takes seconds per graph, too slow for Hypothesis; these build in
 milliseconds and can keep batch and sequence dims symbolic. The backward of
-each op is written out, so the forward values it reads are real stashed
-activations, as in an exported training graph.
+each op is written out (the activations' with engine.testing's gradient
+formulas), so the forward values it reads are real stashed activations, as in
+an exported training graph.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from backends.onnx.importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
+from engine.testing.ops import Call, gradient
 
 ACTIVATIONS = ("Gelu", "Relu", "Sigmoid", "Tanh", "Softmax")
 
@@ -117,22 +119,6 @@ def build_mlp(d_in: int, layers: list[Layer], dims: tuple = ("batch", "seq"),
 
 
 def _activation_grad(b: _Builder, kind: str, pre: str, act: str, grad: str) -> str:
-    if kind == "Relu":
-        mask = b.op("Greater", [pre, b.const(0.0)], "mask")
-        return b.op("Where", [mask, grad, b.const(0.0)], "drelu")
-    if kind == "Sigmoid":
-        one_minus = b.op("Sub", [b.const(1.0), act], "one_minus")
-        return b.op("Mul", [grad, b.op("Mul", [act, one_minus], "dsig")], "dsigmoid")
-    if kind == "Tanh":
-        sq = b.op("Mul", [act, act], "tsq")
-        return b.op("Mul", [grad, b.op("Sub", [b.const(1.0), sq], "dt")], "dtanh")
-    if kind == "Softmax":
-        dot = b.op("ReduceSum", [b.op("Mul", [grad, act], "ga"), b.const([-1], np.int64)], "dot", keepdims=1)
-        return b.op("Mul", [act, b.op("Sub", [grad, dot], "gs")], "dsoftmax")
-    # Gelu: d/dx x*Phi(x) = Phi(x) + x*phi(x)
-    cdf = b.op("Mul", [b.const(0.5), b.op("Add", [b.const(1.0), b.op(
-        "Erf", [b.op("Mul", [pre, b.const(1 / np.sqrt(2.0))], "xs")], "erf")], "one_erf")], "cdf")
-    pdf = b.op("Mul", [b.op("Exp", [b.op("Mul", [b.op("Mul", [pre, pre], "x2"), b.const(-0.5)], "nx2")],
-                            "e"), b.const(1 / np.sqrt(2 * np.pi))], "pdf")
-    deriv = b.op("Add", [cdf, b.op("Mul", [pre, pdf], "xpdf")], "dgelu_dx")
-    return b.op("Mul", [grad, deriv], "dgelu")
+    """The activation's gradient: engine.testing's formula, written into this ONNX graph."""
+    attrs = {"axis": -1} if kind == "Softmax" else {}
+    return gradient(kind)(b, Call([pre], [act], attrs), grad)[0]

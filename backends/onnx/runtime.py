@@ -29,6 +29,7 @@ import onnx
 import onnxruntime as ort
 
 from engine.errors import RematError
+from engine.testing.compare import max_relative_error  # noqa: F401 - where callers import it from
 
 
 def providers() -> list[str]:
@@ -77,40 +78,6 @@ def run(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
     except Exception as exc:
         raise RematError(f"{_name(model)}: ONNX Runtime failed to run it: {_one_line(exc)}") from None
     return dict(zip(names, results))
-
-
-def max_relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray], a_name: str = "the first model",
-                       b_name: str = "the second model") -> tuple[float, str]:
-    """Largest |a-b| / max|b| over the outputs both have, and which output it was. Outputs in
-    common of different shapes, or none in common, are a RematError naming both output lists.
-    A NaN or infinity in one output where the other has a finite value is an infinite error."""
-    common = [name for name in a if name in b]
-    if not common:
-        raise RematError(f"{a_name} and {b_name} have no output in common to compare "
-                         f"({a_name}: {', '.join(a) or 'none'}; {b_name}: {', '.join(b) or 'none'})")
-    worst, where = 0.0, common[0]
-    for name in common:
-        x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
-        if x.shape != y.shape:
-            raise RematError(f"output {name!r} has shape {x.shape} in {a_name} but {y.shape} in "
-                             f"{b_name}; they cannot be compared")
-        err = _relative_error(x, y)
-        if err >= worst:
-            worst, where = err, name
-    return worst, where
-
-
-def _relative_error(x: np.ndarray, y: np.ndarray) -> float:
-    if not y.size:
-        return 0.0
-    finite = np.isfinite(x) & np.isfinite(y)
-    same_nonfinite = (np.isnan(x) & np.isnan(y)) | ((x == y) & ~finite)
-    if not np.all(finite | same_nonfinite):
-        return float("inf")
-    if not finite.any():
-        return 0.0
-    scale = max(float(np.abs(y[finite]).max()), 1e-12)
-    return float(np.abs(x[finite] - y[finite]).max() / scale)
 
 
 @dataclass

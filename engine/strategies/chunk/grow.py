@@ -281,6 +281,9 @@ class _Grower:
             raise self.nonlinear
         nodes = sorted(self.region.values(), key=lambda n: self.position[id(n)])
         phases = self.phases(nodes, late)
+        if any(not ph.outputs for ph in phases):
+            raise Refused("nothing outside the region reads its values (dead code): there is nothing to "
+                          "run slice by slice")
         for v in (o for ph in phases for o in ph.outputs):
             if id(v.producer) in self.elided:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is read outside the region "

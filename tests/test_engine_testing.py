@@ -1,0 +1,142 @@
+"""engine.testing: its gradients are torch's, its graphs make the shipped rules fire, its
+assertions fail with the shrunk graph, the plan and the "why not", and it imports no backend."""
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+
+from dsl.loader import compile_text, load_rules
+from engine.testing import (assert_rule_fires, assert_rule_refuses, assert_rules_preserve_numerics,
+                            training_graphs)
+from engine.testing.generate import FILL, fires
+from engine.testing.ops import OPS
+from engine.why_not import why_not
+from ir_graphs import GraphBuilder, gelu_training_graph
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = load_rules()
+QUICK = settings(max_examples=12, derandomize=True, database=None, deadline=None,
+                 suppress_health_check=list(HealthCheck))
+
+
+def _one(strategy):
+    """The first graph the strategy draws (derandomized, not shrunk)."""
+    return find(strategy, lambda tg: True, settings=settings(QUICK, phases=[Phase.generate]))
+
+def _rule_over(op: str):
+    return compile_text(f"use std.ops\nrule over_{op.lower()} {{\n  match {{\n    y = {op}(x, rest...)\n  }}\n"
+                        f"  rewrite {{ recompute y }}\n}}\n", f"{op}.rule")
+
+
+@pytest.mark.parametrize("op", sorted(op for op in FILL if OPS[op].vjp is not None))
+def test_the_backward_engine_testing_writes_is_torch_autograd(op):
+    """The ONNX graph's gradients (engine.testing.ops' formulas) against torch's autograd on the
+    same forward (backends/fx/testing.py), op by op, on graphs through the op."""
+    torch = pytest.importorskip("torch")
+    from backends.fx.testing import GraphModule, _step
+    from backends.onnx.exporter import export_model
+    from backends.onnx.runtime import run
+    from backends.onnx.testing import _with_tensor_payloads
+    from engine.testing.check import tolerance
+
+    compared = []
+
+    @settings(QUICK, max_examples=3)
+    @given(training_graphs(_rule_over(op), dynamic=False, only_firing=False))
+    def gradients_agree(tg):
+        try:
+            got = run(export_model(_with_tensor_payloads(tg.graph)), tg.feeds)
+        except Exception:      # noqa: BLE001 - ONNX Runtime lacks this op at this dtype
+            return
+        module = GraphModule(tg)
+        want = _step(module, module, [torch.from_numpy(tg.feeds[n].copy()) for n in module.input_names])
+        limit = max(tolerance(v.dtype, 1e-4) for v in tg.graph.values()) * 10
+        for name, value in want.items():
+            scale = max(abs(value).max(), 1e-6)
+            assert abs(got[name] - value).max() / scale <= limit, (name, tg)
+        compared.append(tg)
+
+    gradients_agree()
+    assert compared, f"no graph through {op} ran in ONNX Runtime"
+
+
+@pytest.mark.parametrize("rule", [r.name for r in RULES.rules])
+def test_every_shipped_rule_has_generated_graphs_it_fires_on(rule):
+    tg = _one(training_graphs(RULES, rule))
+    assert fires(tg.graph, RULES, RULES.rule(rule))
+    fired = assert_rule_fires(rule, tg)
+    assert fired and all(" fires at " in line for line in fired)
+
+
+def test_rule_assertions_carry_the_why_not():
+    graph = gelu_training_graph()
+    assert "plan Gelu+" in assert_rule_fires("recompute_activation", graph)[0]
+    with pytest.raises(AssertionError) as failed:
+        assert_rule_fires("recompute_softmax", graph)
+    assert "why not" in str(failed.value) and "no node has op" in str(failed.value)
+    with pytest.raises(AssertionError, match="expected to refuse, but it fires:\n.*fires at n_a"):
+        assert_rule_refuses("recompute_activation", graph)
+    assert assert_rule_refuses("recompute_norm", graph, because="no node has op")
+    with pytest.raises(AssertionError, match="no reason says 'dropout'"):
+        assert_rule_refuses("recompute_norm", graph, because="dropout")
+
+
+WRONG = """use std.ops
+chunkable pointwise CumSum
+rule chunk_running_total {
+  match {
+    y = CumSum(x, axis)
+    require bytes(y) >= 1 MiB
+  }
+  rewrite { chunk over x along -1 into 4 }
+}
+"""
+
+
+def test_a_false_op_fact_fails_with_the_shrunk_graph_and_the_plan():
+    rules = compile_text(WRONG, "wrong.rule")
+    with pytest.raises(AssertionError) as failed:
+        assert_rules_preserve_numerics(rules, training_graphs(rules), backends=("onnx",),
+                                       settings=settings(QUICK, max_examples=6))
+    message = str(failed.value)
+    assert "the rules changed the numbers on onnx" in message
+    assert "the plan that broke it: CumSum+:3:-1 (rule chunk_running_total at" in message
+    assert "= CumSum(" in message and "%axis" in message
+
+
+def test_a_backend_not_installed_is_skipped_and_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    tg = _one(training_graphs(RULES, "recompute_activation"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checked = assert_rules_preserve_numerics(RULES, tg)
+    assert checked.skipped == {"fx": "torch is not installed"}
+    assert checked.graphs == {"onnx": 1} and checked.fired["recompute_activation"] == {"onnx": 1}
+    assert any("the fx backend is skipped: torch is not installed" in str(w.message) for w in caught)
+
+
+def test_a_chunk_region_nothing_reads_is_refused():
+    """Generated graphs found it: a dead MatMul (a gradient nobody needs) matched a chunk rule,
+    and the ONNX backend wrote a Loop with no outputs, which ONNX Runtime rejects."""
+    b = GraphBuilder()
+    h = b.input("h", shape=(2048, 2048))
+    w = b.input("w", shape=(2048, 2))
+    y = b.emit("MatMul", [h, w])
+    loss = b.emit("ReduceSum", [y], keepdims=0)
+    b.emit("MatMul", [b.input("g", shape=(2048, 2)), b.emit("Transpose", [w], perm=[1, 0])])   # dead
+    graph = b.graph([loss])
+    lines = why_not(graph, RULES, "chunk_linear_cross_entropy")
+    assert any("nothing outside the region reads its values" in line for line in lines), lines
+
+
+def test_engine_testing_imports_no_backend():
+    code = ("import sys, engine.testing, engine.testing.generate, engine.testing.check, engine.testing.plugin; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'onnx', 'onnxruntime'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
