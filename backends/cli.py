@@ -192,6 +192,12 @@ def cmd_measure(args) -> int:
                     args.compare, dims)
         err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
                                         args.compare, args.model)
+    timeline_path = _writable_file(args.timeline, "--timeline") if args.timeline else None
+    if timeline_path is not None:
+        from backends.plots import SUFFIXES
+
+        if timeline_path.suffix.lower() not in SUFFIXES:
+            raise RematError(f"--timeline {args.timeline}: write a .png, .svg or .pdf")
     base = measure(args.model, feeds, repeats=args.repeats, threads=args.threads)
     print(f"{args.model}: peak {base.peak_mib:.1f} MiB above rest ({base.rest / 2**20:.1f} MiB), "
           f"step {base.seconds * 1000:.1f} ms on {base.provider}")
@@ -201,6 +207,16 @@ def cmd_measure(args) -> int:
         print(f"peak ratio {_ratio(other.peak_above_rest, base.peak_above_rest)}, "
               f"time ratio {_ratio(other.seconds, base.seconds)}, "
               f"largest relative output difference {err:.2e} ({where})")
+    if timeline_path is not None:
+        from backends.onnx.timeline import timeline
+        from backends.plots import timeline_plot
+
+        panels = timeline(args.model, feeds, args.compare, threads=args.threads)
+        timeline_plot(panels, timeline_path, "remat: memory over one training step (ONNX Runtime, CPU)")
+        for p in panels:
+            peaks = ", ".join(f"{c.label.split(':')[0]} {c.peak / 2**20:.1f} MiB" for c in p.curves)
+            print(f"{p.title}: {peaks}" + (f", VmHWM {p.measured_peak / 2**20:.1f} MiB" if p.measured_peak else ""))
+        print(f"wrote {args.timeline}")
     return 0
 
 
@@ -332,6 +348,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="OTHER.onnx", help="measure another model on the same inputs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeline", metavar="OUT.png|OUT.svg",
+                   help="draw memory over the step, simulated and measured, for each model (shaded by plan)")
     p.set_defaults(fn=cmd_measure)
     p = sub.add_parser("export-gpt", help="export the GPT-like training step (docs/design.md) to ONNX")
     p.add_argument("-o", "--output", required=True)

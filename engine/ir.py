@@ -95,6 +95,9 @@ class Node:
     # The module path the exporter recorded for the node (`blocks.3.attn`), where it recorded one:
     # how `--ratio` finds a model's layers (engine.budget.layers).
     scope: str | None = None
+    # The key of the plan whose rewrite made the node (a recompute clone; a chunk region's Loop and
+    # what joins its slices), for pictures of where each plan runs (`remat measure --timeline`).
+    plan: str | None = None
 
     @property
     def domain(self) -> str:

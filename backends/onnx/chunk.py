@@ -285,6 +285,9 @@ def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> No
         first = min(position[id(n)] for n in phase.nodes if n not in phase.recomputed)
         for n in nodes:
             rank[id(n)] = (first, 1)
+            n.plan = region.key
+            if n.op == "Loop":      # what it runs slice by slice, for a picture of the original
+                n.meta["replaces"] = [m.name for m in phase.nodes]
         graph.nodes.extend(nodes)
         graph.initializers.extend(initializers)
     graph.nodes = [n for n in graph.nodes if id(n) not in region_ids]

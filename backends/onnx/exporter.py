@@ -25,7 +25,8 @@ from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.shapes import format_dim, is_static
 
 from .dtypes import to_onnx
-from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, describe_onnx_error
+from .importer import (DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, PLAN_KEY, RECOMPUTE_OF_KEY, REPLACES_KEY,
+                       describe_onnx_error)
 from .ort_schedule import schedule_for_onnxruntime
 
 PROTOBUF_LIMIT = 2**31 - 1      # bytes: a larger ModelProto cannot be serialized in one piece
@@ -102,7 +103,21 @@ def _export_node(node: Node, inputs: list[str]) -> onnx.NodeProto:
         proto.attribute.append(_attribute(node, key, value))
     for key, sub in node.subgraphs.items():
         proto.attribute.append(helper.make_attribute(key, _export_graph(sub, with_barriers=True)))
+    helper.set_metadata_props(proto, _provenance(node))
     return proto
+
+
+def _provenance(node: Node) -> dict[str, str]:
+    """What a rewrite made the node for, as the node's metadata (the importer reads it back):
+    `remat.plan`, `remat.recompute_of`, and a chunk Loop's `remat.replaces` (the region's nodes)."""
+    props = {}
+    if node.plan:
+        props[PLAN_KEY] = node.plan
+    if node.recompute_of:
+        props[RECOMPUTE_OF_KEY] = node.recompute_of
+    if node.meta.get("replaces"):
+        props[REPLACES_KEY] = ",".join(node.meta["replaces"])
+    return props
 
 
 def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:

@@ -19,6 +19,11 @@ from .dtypes import to_ir
 
 DIM_EXAMPLES_KEY = "remat.dim_examples"
 FORWARD_OUTPUTS_KEY = "remat.forward_outputs"
+# Node metadata: the plan whose rewrite made a node, the node a recompute clone recomputes, and
+# the nodes a chunk Loop runs slice by slice (exporter._provenance writes them).
+PLAN_KEY = "remat.plan"
+RECOMPUTE_OF_KEY = "remat.recompute_of"
+REPLACES_KEY = "remat.replaces"
 
 
 def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
@@ -377,6 +382,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
         if key not in defaults_cache:
             defaults_cache[key] = _attribute_defaults(np_.op_type, domain, opsets)
         node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs, scope=_scope(np_))
+        _read_provenance(node, np_)
         _note_constant_ints(node)
         node.attr_defaults = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
@@ -388,6 +394,17 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
             raise GraphError(f"graph output {vi.name!r} is never defined")
         outputs.append(scope[vi.name])
     return Graph(nodes, inputs, outputs, initializers, name=proto.name or "graph")
+
+
+def _read_provenance(node: Node, node_proto) -> None:
+    """What remat's exporter wrote about the rewrite that made the node (exporter._provenance)."""
+    for prop in node_proto.metadata_props:
+        if prop.key == PLAN_KEY:
+            node.plan = prop.value
+        elif prop.key == RECOMPUTE_OF_KEY:
+            node.recompute_of = prop.value
+        elif prop.key == REPLACES_KEY:
+            node.meta["replaces"] = prop.value.split(",")
 
 
 def _scope(node_proto) -> str | None:

@@ -38,8 +38,14 @@ def providers() -> list[str]:
 
 
 def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: bool = True,
-                 disable_cse: bool = False, cpu_only: bool = False) -> ort.InferenceSession:
+                 disable_cse: bool = False, cpu_only: bool = False,
+                 profile_prefix: str | None = None) -> ort.InferenceSession:
+    """A session of `threads` threads; `profile_prefix`: ONNX Runtime's profile of every run is
+    written to a file named from it (`end_profiling()` says which), never to the working folder."""
     options = ort.SessionOptions()
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.enable_cpu_mem_arena = arena
@@ -99,6 +105,38 @@ def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
         raise RematError(f"repeats must be at least 1, not {repeats}")
     if threads < 1:
         raise RematError(f"threads must be at least 1, not {threads}")
+    data = {}
+    for mode in ("peak", "time"):
+        data.update(_measured(model, feeds, mode, repeats, threads))
+    return Measurement(**data)
+
+
+def measure_timeline(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
+                     threads: int = 1):
+    """Memory over one step, measured as `measure` measures its peak (its own process,
+    MALLOC_MMAP_THRESHOLD_, clear_refs after a warm-up, resident memory above rest): sampled while
+    ONNX Runtime runs and placed on the nodes of its profile, in the order it ran them. Returns the
+    engine.timeline.MemoryCurve and the step's VmHWM above rest (the peak the samples may miss)."""
+    from engine.timeline import MemoryCurve
+
+    data = _measured(model, feeds, "timeline", 1, threads)
+    plans = _plans_by_node(model)
+    curve = MemoryCurve(f"measured: resident memory, {data['samples']} samples", data["steps"], data["live"],
+                        [plans.get(name) for name in data["steps"]], measured=True)
+    return curve, data["peak_above_rest"]
+
+
+def _plans_by_node(model: onnx.ModelProto | str | Path) -> dict[str, str]:
+    from .importer import PLAN_KEY
+
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    return {n.name: p.value for n in proto.graph.node for p in n.metadata_props if p.key == PLAN_KEY}
+
+
+def _measured(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray], mode: str, repeats: int,
+              threads: int) -> dict:
+    """One measuring process (measure_child) on `model` and `feeds`; its JSON line. The peak and
+    the timeline run with MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the process."""
     with tempfile.TemporaryDirectory(prefix="remat-measure-") as tmp:
         model_path = Path(tmp) / "model.onnx"
         if isinstance(model, onnx.ModelProto):
@@ -109,17 +147,14 @@ def measure(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
                 raise RematError(f"{model}: no such file")
         feeds_path = Path(tmp) / "feeds.npz"
         np.savez(feeds_path, **feeds)
-        data = {}
-        for mode, env in (("peak", dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")), ("time", None)):
-            proc = subprocess.run(
-                [sys.executable, "-m", "backends.onnx.measure_child", str(model_path), str(feeds_path),
-                 str(repeats), str(threads), mode],
-                env=env, capture_output=True, text=True,
-                cwd=str(Path(__file__).resolve().parents[2]))
-            if proc.returncode != 0:
-                raise RematError(f"{_name(model)}: the {mode} measurement failed: {_child_failure(proc)}")
-            data.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return Measurement(**data)
+        env = None if mode == "time" else dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        proc = subprocess.run(
+            [sys.executable, "-m", "backends.onnx.measure_child", str(model_path), str(feeds_path),
+             str(repeats), str(threads), mode],
+            env=env, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2]))
+        if proc.returncode != 0:
+            raise RematError(f"{_name(model)}: the {mode} measurement failed: {_child_failure(proc)}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _child_failure(proc: subprocess.CompletedProcess) -> str:

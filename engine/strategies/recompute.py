@@ -208,7 +208,7 @@ class Rewriter:
             inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
             clone = replace(node, inputs=inputs, outputs=outputs, attrs=dict(node.attrs),
                             name=self.graph.fresh_name(f"{node.name}_rc"), meta=dict(node.meta),
-                            recompute_of=node.name, recompute_region=self.applied)
+                            recompute_of=node.name, recompute_region=self.applied, plan=region.key)
             for out in outputs:
                 out.producer = clone
             for v in clone.present_inputs():
