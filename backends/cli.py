@@ -11,6 +11,8 @@ from dsl.errors import RuleCompileError
 from engine.errors import RematError
 from engine.failures import PlanFailure
 
+from backends.progress import progress
+
 
 def _dims(items: list[str] | None) -> dict[str, int]:
     """`--dim NAME=N` options: positive sizes, each dim given one size."""
@@ -94,17 +96,18 @@ def cmd_analyze(args) -> int:
     from engine.plans import select
     from engine.report import plan_json, plan_table
 
-    graph = _load(args)
-    planning = plan_all(lambda fold: graph, _rules(args.rules), tuple(args.tier), _forward(args))
-    device = profile_for(args.device)
-    annotate_costs(planning, device)
-    choice = None
-    budget = _budget(args)
-    if budget is not None:
-        choice = choose(planning, graph, budget, device)
-        choice.mark(planning.plans)
-    else:
-        select(planning.plans, None)
+    with progress(f"planning {args.model}"):
+        graph = _load(args)
+        planning = plan_all(lambda fold: graph, _rules(args.rules), tuple(args.tier), _forward(args))
+        device = profile_for(args.device)
+        annotate_costs(planning, device)
+        choice = None
+        budget = _budget(args)
+        if budget is not None:
+            choice = choose(planning, graph, budget, device)
+            choice.mark(planning.plans)
+        else:
+            select(planning.plans, None)
     points = None
     if args.pareto is not None:
         from backends.plots import pareto_plot
@@ -140,17 +143,18 @@ def cmd_apply(args) -> int:
     copy_inputs = inputs.is_file() and inputs_target.resolve() != inputs.resolve()
     if copy_inputs:
         _writable_file(str(inputs_target), "-o (its inputs file)")
-    graph = _load(args)
-    device = None
-    budget = _budget(args)
-    if budget is not None:
-        from backends.device import profile_for
+    with progress(f"rewriting {args.model}"):
+        graph = _load(args)
+        device = None
+        budget = _budget(args)
+        if budget is not None:
+            from backends.device import profile_for
 
-        device = profile_for(args.device)
-    rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args), budget=budget,
-                          device=device)
-    model = export_model(rewrite.graph)
-    check_exported(model)
+            device = profile_for(args.device)
+        rewrite = apply_rules(graph, _rules(args.rules), config, args.tier, _forward(args), budget=budget,
+                              device=device)
+        model = export_model(rewrite.graph)
+        check_exported(model)
     _write(output, model.SerializeToString(), "-o")
     if copy_inputs:
         _write(inputs_target, inputs.read_bytes(), "-o (its inputs file)")
@@ -187,22 +191,25 @@ def cmd_measure(args) -> int:
     dims = _dims(args.dim)
     graph = import_model(args.model, dims)
     feeds = feeds_for(args.model, args.inputs, dims, graph=graph)
-    if args.compare:
-        check_feeds(import_model(args.compare), feeds, feeds_source(args.model, args.inputs),
-                    args.compare, dims)
-        err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
-                                        args.compare, args.model)
     timeline_path = _writable_file(args.timeline, "--timeline") if args.timeline else None
     if timeline_path is not None:
         from backends.plots import SUFFIXES
 
         if timeline_path.suffix.lower() not in SUFFIXES:
             raise RematError(f"--timeline {args.timeline}: write a .png, .svg or .pdf")
-    base = measure(args.model, feeds, repeats=args.repeats, threads=args.threads)
+    if args.compare:
+        check_feeds(import_model(args.compare), feeds, feeds_source(args.model, args.inputs),
+                    args.compare, dims)
+        with progress("comparing the two models' outputs"):
+            err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
+                                            args.compare, args.model)
+    with progress(f"measuring {args.model}"):
+        base = measure(args.model, feeds, repeats=args.repeats, threads=args.threads)
     print(f"{args.model}: peak {base.peak_mib:.1f} MiB above rest ({base.rest / 2**20:.1f} MiB), "
           f"step {base.seconds * 1000:.1f} ms on {base.provider}")
     if args.compare:
-        other = measure(args.compare, feeds, repeats=args.repeats, threads=args.threads)
+        with progress(f"measuring {args.compare}"):
+            other = measure(args.compare, feeds, repeats=args.repeats, threads=args.threads)
         print(f"{args.compare}: peak {other.peak_mib:.1f} MiB above rest, step {other.seconds * 1000:.1f} ms")
         print(f"peak ratio {_ratio(other.peak_above_rest, base.peak_above_rest)}, "
               f"time ratio {_ratio(other.seconds, base.seconds)}, "
@@ -211,8 +218,9 @@ def cmd_measure(args) -> int:
         from backends.onnx.timeline import timeline
         from backends.plots import timeline_plot
 
-        panels = timeline(args.model, feeds, args.compare, threads=args.threads)
-        timeline_plot(panels, timeline_path, "remat: memory over one training step (ONNX Runtime, CPU)")
+        with progress("measuring memory over the step for the timeline"):
+            panels = timeline(args.model, feeds, args.compare, threads=args.threads)
+            timeline_plot(panels, timeline_path, "remat: memory over one training step (ONNX Runtime, CPU)")
         for p in panels:
             peaks = ", ".join(f"{c.label.split(':')[0]} {c.peak / 2**20:.1f} MiB" for c in p.curves)
             print(f"{p.title}: {peaks}" + (f", VmHWM {p.measured_peak / 2**20:.1f} MiB" if p.measured_peak else ""))
@@ -257,7 +265,8 @@ def cmd_export_gpt(args) -> int:
 
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     seq=args.seq, batch=args.batch)
-    path, error = export_gpt(cfg, args.output, dynamic=args.dynamic)
+    with progress("exporting the GPT-like training step and checking its gradients"):
+        path, error = export_gpt(cfg, args.output, dynamic=args.dynamic)
     print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
           f"(largest relative error {error:.2e})")
     return 0

@@ -98,8 +98,9 @@ def timeline_plot(panels: list[Panel], path: Path, title: str = "", option: str 
         ax.set_title(panel.title, fontsize=10, loc="left")
         ax.set_ylabel("MiB above rest")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    axes[-1, 0].set_xlabel("fraction of the step's nodes run (each curve in the order its run took)")
+        ax.legend(fontsize=8, loc="best")
+    axes[-1, 0].set_xlabel("fraction of the step done: nodes run, in each curve's own run order "
+                           "(torch's profiler line: allocations and frees)")
     if keys:
         from matplotlib.patches import Patch
 

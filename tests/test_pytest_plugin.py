@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 

@@ -13,7 +13,7 @@ from backends.onnx.importer import import_model
 from backends.onnx.rewrite import apply_rules
 from backends.onnx.timeline import replaced_by_plan
 from dsl.loader import load_rules
-from engine.timeline import MemoryCurve, Panel
+from engine.timeline import MemoryCurve
 from training_graphs import Layer, build_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,3 +70,29 @@ def test_a_timeline_that_cannot_be_drawn_says_why_before_measuring(models, tmp_p
     r = subprocess.run([sys.executable, "-m", "backends.cli", "measure", str(original), "--timeline",
                         str(tmp_path / "timeline.gif")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.strip() == f"remat: error: --timeline {tmp_path / 'timeline.gif'}: write a .png, .svg or .pdf"
+
+
+def test_the_torch_path_draws_its_timeline(tmp_path):
+    """backends.fx.analyze(..., timeline=...): the peak model's curve before and after remat's
+    rewrite, the rewritten step's recomputed nodes shaded with their plan."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    import backends.fx
+    from backends.fx.timeline import fx_timeline
+    from backends.models import MLP
+    from backends.plots import timeline_plot
+    from engine.errors import RematError
+
+    torch.manual_seed(0)
+    model = MLP([64, 256, 256, 64])
+    inputs = (torch.randn(8, 128, 64), torch.randn(8, 128, 64))
+    before, after = fx_timeline(model, inputs, load_rules())
+    assert before.title == "torch.compile(model)" and after.title.endswith("backend=remat)")
+    plans = {p for p in after.curves[0].plans if p}
+    assert "Gelu+Reshape+" in plans and plans <= {p for p in before.curves[0].plans if p}
+    assert after.curves[0].peak < before.curves[0].peak
+    out = tmp_path / "torch.png"
+    timeline_plot([before, after], out, "torch")
+    assert out.stat().st_size > 10_000
+    with pytest.raises(RematError, match=r"timeline='torch.gif': write a .png, .svg or .pdf"):
+        backends.fx.analyze(model, inputs, show=False, timeline="torch.gif")

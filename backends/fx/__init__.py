@@ -28,10 +28,14 @@ def joint_graph(model, example_inputs: Sequence):
 
 
 def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None = None,
-            tiers: Iterable[str] = (), show: bool = True):
+            tiers: Iterable[str] = (), show: bool = True, timeline: str | Path | None = None,
+            measure: bool = False):
     """The plans the rules offer on `model`'s training step; prints the table unless show=False.
     Chunk plans are found on the joint graph op by op (decompositions unfolded), the others
-    on the folded graph, as the torch.compile backend applies them."""
+    on the folded graph, as the torch.compile backend applies them. `timeline` (a .png, .svg or
+    .pdf): draw memory over the step before and after remat's rewrite, as the peak model simulates
+    it (backends/fx/timeline.py); with `measure`, also as torch's profiler measures the step
+    compiled by Inductor (two compiles: slow on a large model)."""
     from dsl.loader import load_rules
     from engine.driver import plan_all
     from engine.plans import select
@@ -39,9 +43,26 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
 
     from .importer import import_fx
 
+    ruleset = load_rules(rules)
+    path = None
+    if timeline is not None:
+        from backends.plots import SUFFIXES
+
+        path = Path(timeline)
+        if path.suffix.lower() not in SUFFIXES:
+            from engine.errors import RematError
+
+            raise RematError(f"timeline={str(timeline)!r}: write a .png, .svg or .pdf")
     joint = joint_graph(model, example_inputs)
-    planning = plan_all(lambda fold: import_fx(joint, fold=fold), load_rules(rules), tuple(tiers))
+    planning = plan_all(lambda fold: import_fx(joint, fold=fold), ruleset, tuple(tiers))
     select(planning.plans, None)
     if show:
         print(plan_table(planning))
+    if path is not None:
+        from backends.plots import timeline_plot
+
+        from .timeline import fx_timeline
+
+        panels = fx_timeline(model, example_inputs, ruleset, tiers, measure=measure)
+        timeline_plot(panels, path, "remat: memory over one training step (torch)", option="timeline")
     return planning

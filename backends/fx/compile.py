@@ -42,7 +42,7 @@ from engine.strategies.chunk import ChunkRegion
 from backends.device import profile_for
 
 from .chunk import apply_chunk
-from .importer import _flat_nodes, import_fx
+from .importer import PLAN, _flat_nodes, import_fx
 
 
 @functools.cache
@@ -71,12 +71,15 @@ class FxBuilder:
         self.owner = graph.owning_module
         self.work: fx.GraphModule | None = None
         self.two_phase = False
+        self.replaced: dict[str, str] = {}      # fx node name -> the plan that recomputes or slices it
+
 
     def start(self) -> None:
         copy = fx.Graph()
         copy.output(copy.graph_copy(self.graph, {}))
         self.work = fx.GraphModule(self.owner if self.owner is not None else {}, copy)
         self.two_phase = False
+        self.replaced = {}
 
     def current(self, fold: bool) -> Graph:
         from .peak import fused_away
@@ -88,8 +91,13 @@ class FxBuilder:
         return graph
 
     def build(self, result: Result, region: ChunkRegion, index: int) -> None:
+        before = set(self.work.graph.nodes)
         apply_chunk(self.work.graph, region, f"remat_chunk_{index}")
         self.two_phase = self.two_phase or len(region.phases) > 1
+        for node in self.work.graph.nodes:
+            if node not in before:
+                node.meta[PLAN] = region.key
+        self.replaced.update((name, region.key) for n in region.nodes for name in n.backend_nodes or [n.name])
 
     def finish(self, result: Result) -> None:
         by_name = {n.name: n for n in self.work.graph.nodes}
@@ -98,6 +106,8 @@ class FxBuilder:
                 for node in region.nodes:
                     for name in node.backend_nodes or [node.name]:
                         by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                        by_name[name].meta[PLAN] = region.key
+                        self.replaced[name] = region.key
 
     def simulate(self, graph: Graph) -> int:
         """The step's peak as torch runs it: the partitioner's forward and backward, with

@@ -22,6 +22,10 @@ from engine.shapes import parse_dim
 
 from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS, canonical_attributes
 
+# An fx node's meta key for the plan whose rewrite made or tagged it (backends/fx/compile.py): the
+# IR node's `plan`.
+PLAN = "remat_plan"
+
 _DTYPES = {
     torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
     torch.float64: DType.FLOAT64, torch.int8: DType.INT8, torch.int16: DType.INT16,
@@ -149,13 +153,14 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             base = _base_name(members[0].meta["original_aten"])
             node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, {}, produced[0].name if produced else members[0].name,
                         native_op=f"aten::{base}", backend_nodes=[m.name for m in members],
-                        scope=_scope(members[0]))
+                        scope=_scope(members[0]), plan=next((m.meta[PLAN] for m in members if PLAN in m.meta), None))
             for m, v in zip(produced, outs):
                 values[m] = v
             emitted.add(key)
             nodes.append(node)
         elif fx_node.op == "call_function":
             nodes.append(_plain_node(fx_node, values, attributes))
+            nodes[-1].plan = fx_node.meta.get(PLAN)
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
             result = Graph(nodes, inputs, outputs, attributes, name="joint")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from engine.analysis import MemoryModel, simulate_peak
+from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.ir import Node, Value
 
 from .importer import import_fx
@@ -166,6 +166,12 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
 def step_peak(step: Step) -> int:
     """Bytes alive at the step's highest point above what was allocated before it (weights and
     inputs), with each chunk call counted at its body's peak for one slice."""
+    return step_estimate(step).peak_bytes or 0
+
+
+def step_estimate(step: Step) -> PeakEstimate:
+    """step_peak's walk: the bytes at every node of the step, in the order it runs (the curve a
+    timeline draws)."""
     module, fused = step.module, step.fused
     view_nodes = {n.name for n in module.graph.nodes if _is_view(n)}
     calls = {n.name: n for n in module.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)}
@@ -198,9 +204,14 @@ def step_peak(step: Step) -> int:
         reuse_keeps_peak=True,
         transient=lambda node, size: max(0, body_peak(node) - sum(size(o) for o in node.outputs if o is not None)),
     )
-    return simulate_peak(graph, model=model).peak_bytes or 0
+    return simulate_peak(graph, model=model)
 
 
 def estimated_step_peak(joint: fx.Graph, owner: torch.nn.Module | None = None) -> int:
     """The peak of one training step of `joint` as torch.compile with Inductor runs it."""
-    return step_peak(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))
+    return estimated_step(joint, owner).peak_bytes or 0
+
+
+def estimated_step(joint: fx.Graph, owner: torch.nn.Module | None = None) -> PeakEstimate:
+    """estimated_step_peak's walk, with the bytes at every node of the step."""
+    return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))

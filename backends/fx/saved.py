@@ -35,14 +35,20 @@ def tensor_peak(step) -> int:
     """Bytes of tensors alive at the highest point of `step()` above those alive when it starts,
     from the profiler's allocation events (CPU or CUDA): what a peak model of the step predicts,
     without the allocator's own overhead."""
+    return max(tensor_bytes_over_time(step), default=0)
+
+
+def tensor_bytes_over_time(step) -> list[int]:
+    """Bytes of tensors alive after each allocation or free while `step()` runs, above those alive
+    when it starts (the profiler's memory events, in time order)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
-    current = peak = 0
+    current, curve = 0, []
     for event in events:
         current += event.nbytes()
-        peak = max(peak, current)
-    return peak
+        curve.append(current)
+    return curve

@@ -25,12 +25,10 @@ from __future__ import annotations
 from importlib import import_module
 
 _EXPORTS = {
-    "training_graphs": "generate", "grow_sizes": "generate", "unsupported": "generate",
+    "training_graphs": "generate", "unsupported": "generate",
     "assert_rules_preserve_numerics": "check", "assert_rule_fires": "check", "assert_rule_refuses": "check",
-    "available_backends": "check", "check_graph": "check", "Checked": "check", "Run": "check",
-    "AppliedPlan": "check", "BackendsMissing": "check", "Unrunnable": "check",
-    "GraphBuilder": "graphs", "TrainingGraph": "graphs", "random_feeds": "graphs",
-    "add_backward": "autodiff", "max_relative_error": "compare", "relative_error": "compare",
+    "available_backends": "check", "Checked": "check", "BackendsMissing": "check",
+    "GraphBuilder": "graphs", "TrainingGraph": "graphs", "add_backward": "autodiff",
     "register_profiles": "profiles",
 }
 __all__ = sorted(_EXPORTS)

@@ -484,10 +484,9 @@ def _tail(g: _Builder, v: Value) -> Value | None:
         return None
     else:
         kind = g.draw(st.sampled_from(TAILS), label="tail")
-    if kind == "mul":
+    if kind == "mul" and v.dtype in NUMPY:
         g.leaves += 1
-        v = b.emit("Mul", [v, b.param(f"tail_w{g.leaves}", v.dtype if v.dtype in NUMPY else DType.FLOAT32, v.shape)
-                           if v.dtype in NUMPY else b.const(1.5, np.float32)], "tail")
+        v = b.emit("Mul", [v, b.param(f"tail_w{g.leaves}", v.dtype, v.shape)], "tail")
     elif kind == "matmul" and len(v.shape) >= 2 and v.dtype in NUMPY:
         g.leaves += 1
         v = b.emit("MatMul", [v, b.param(f"tail_w{g.leaves}", v.dtype, (v.shape[-1], g.dim()))], "tail")
@@ -687,13 +686,9 @@ def _for_rule(draw, rules: RuleSet, rule: Rule, max_bytes: int, dynamic: bool, o
             static = trial
         else:
             keep = frozenset()
-    static.forward_outputs = graph.forward_outputs
     seed = draw(st.integers(0, 2**16), label="seed")
-    fed = dict(static.dim_examples)
-    static.dim_examples = fed
     feeds = random_feeds(static, seed, g.domains)
-    return TrainingGraph(static, params, graph.meta["forward_nodes"], feeds, rule.name, keep,
-                         extra={"domains": g.domains, "sizes": sizes})
+    return TrainingGraph(static, params, graph.meta["forward_nodes"], feeds, rule.name, keep, sizes)
 
 
 def training_graphs(rules: RuleSet | str | Iterable | None = None, rule: str | None = None, *,

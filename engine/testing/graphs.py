@@ -132,8 +132,8 @@ class TrainingGraph:
     feeds: dict[str, np.ndarray]
     rule: str | None = None
     dynamic: frozenset[str] = frozenset()        # dims kept symbolic (graph.dim_examples sizes them)
+    sizes: dict[str, int] = field(default_factory=dict, repr=False)   # every dim's size, as grown
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def loss(self) -> Value:

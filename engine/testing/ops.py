@@ -694,6 +694,3 @@ def gradient(op: str) -> Callable | None:
     """The op's vector-Jacobian product `(emitter, call, *output_grads) -> input grads`."""
     return OPS[op].vjp if op in OPS else None
 
-
-def symbolic(value: Any) -> bool:
-    return isinstance(value, sympy.Expr) and not value.is_Integer
