@@ -193,10 +193,9 @@ def cmd_measure(args) -> int:
     feeds = feeds_for(args.model, args.inputs, dims, graph=graph)
     timeline_path = _writable_file(args.timeline, "--timeline") if args.timeline else None
     if timeline_path is not None:
-        from backends.plots import SUFFIXES
+        from backends.plots import pyplot
 
-        if timeline_path.suffix.lower() not in SUFFIXES:
-            raise RematError(f"--timeline {args.timeline}: write a .png, .svg or .pdf")
+        pyplot(timeline_path, f"--timeline {args.timeline}")
     if args.compare:
         check_feeds(import_model(args.compare), feeds, feeds_source(args.model, args.inputs),
                     args.compare, dims)

@@ -12,24 +12,26 @@ from engine.errors import RematError
 SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def _pyplot(option: str, path: Path):
-    """matplotlib's pyplot (no display needed), or a RematError saying how to get it."""
+def pyplot(path: Path, asked: str):
+    """matplotlib's pyplot (no display needed), or a RematError, starting with `asked` (how the
+    user asked for the picture: `--timeline out.gif`), saying that `path` is not a kind of picture
+    it writes or how to install matplotlib. Call it before the work the picture needs."""
     if path.suffix.lower() not in SUFFIXES:
-        raise RematError(f"{option} {path}: write a .png, .svg or .pdf")
+        raise RematError(f"{asked}: write a .png, .svg or .pdf")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RematError(f"{option} draws with matplotlib, which is not installed: pip install 'remat[plots]'") \
+        raise RematError(f"{asked}: drawing needs matplotlib, which is not installed: pip install 'remat[plots]'") \
             from None
     return plt
 
 
 def pareto_plot(points: list[ParetoPoint], path: Path, title: str = "") -> None:
     """Estimated peak against estimated extra time, one point per budget; the original marked."""
-    plt = _pyplot("--pareto", path)
+    plt = pyplot(path, f"--pareto {path}")
     fig, ax = plt.subplots(figsize=(6, 4))
     mib = 2 ** 20
     ax.plot([p.extra_seconds * 1e3 for p in points], [p.estimated_peak / mib for p in points], "o-",
@@ -63,11 +65,11 @@ def _short(key: str, width: int = 48) -> str:
     return key if len(key) <= width else key[:width - 3] + "..."
 
 
-def timeline_plot(panels: list[Panel], path: Path, title: str = "", option: str = "--timeline") -> None:
+def timeline_plot(panels: list[Panel], path: Path, title: str = "") -> None:
     """Memory over the step, one panel per graph (the original above the rewritten), every curve
     against the fraction of its run's nodes done: simulated lines solid, measured lines thin, each
     peak marked, the measured peak (VmHWM) dashed, and the steps each plan made shaded by plan."""
-    plt = _pyplot(option, path)
+    plt = pyplot(path, f"timeline {path}")
     mib = 2 ** 20
     keys = list(dict.fromkeys(p for panel in panels for curve in panel.curves for p in curve.plans if p is not None))
     palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20")

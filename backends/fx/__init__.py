@@ -46,13 +46,10 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
     ruleset = load_rules(rules)
     path = None
     if timeline is not None:
-        from backends.plots import SUFFIXES
+        from backends.plots import pyplot
 
         path = Path(timeline)
-        if path.suffix.lower() not in SUFFIXES:
-            from engine.errors import RematError
-
-            raise RematError(f"timeline={str(timeline)!r}: write a .png, .svg or .pdf")
+        pyplot(path, f"timeline={str(timeline)!r}")
     joint = joint_graph(model, example_inputs)
     planning = plan_all(lambda fold: import_fx(joint, fold=fold), ruleset, tuple(tiers))
     select(planning.plans, None)
@@ -64,5 +61,5 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
         from .timeline import fx_timeline
 
         panels = fx_timeline(model, example_inputs, ruleset, tiers, measure=measure)
-        timeline_plot(panels, path, "remat: memory over one training step (torch)", option="timeline")
+        timeline_plot(panels, path, "remat: memory over one training step (torch)")
     return planning

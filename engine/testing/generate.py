@@ -496,6 +496,10 @@ def _tail(g: _Builder, v: Value) -> Value | None:
         v = b.emit("LogSoftmax", [v], "tail", axis=-1)
     if v.dtype is not DType.FLOAT32:
         v = b.emit("Cast", [v], "to_float", to=DType.FLOAT32)
+    if len(v.shape) > 1:
+        # Rows first: one float32 sum over millions of same-signed terms (a log-softmax) is off by
+        # 1e-3 in ONNX Runtime, more than the rewrite's own reordering; a sum of sums is not.
+        v = b.emit("ReduceSum", [v, b.const([-1], np.int64, "axes")], "rows", keepdims=0)
     return b.emit("ReduceSum", [v], "part", keepdims=0)
 
 
