@@ -35,6 +35,7 @@ from ..matcher import Match, MatchContext, try_match
 from ..patterns import CaptureRef, Chunk, Expr, NodePattern, OutputRef, Rule, RuleSet, Wildcard
 from ..shapes import symbol
 from .autodiff import add_backward
+from .check import load
 from .graphs import GraphBuilder, TrainingGraph, random_feeds, static_sizes
 from .ops import FLOATS, INT64_MAX, NUMPY, OPS
 
@@ -703,7 +704,7 @@ def training_graphs(rules: RuleSet | str | Iterable | None = None, rule: str | N
     no value larger than `max_bytes`; `dynamic`: some dims may stay symbolic. With `only_firing`
     (the default) every graph is one the rule fires on (as `engine.plan` sees it; a backend may
     still refuse to build a plan), so shrinking keeps it firing too."""
-    ruleset = _ruleset(rules)
+    ruleset = load(rules)
     chosen = [r for r in ruleset.rules if rule is None or r.name == rule]
     if not chosen:
         from ..errors import RuleError
@@ -716,11 +717,3 @@ def training_graphs(rules: RuleSet | str | Iterable | None = None, rule: str | N
         raise RuleError(f"engine.testing builds no graph for {', '.join(r.name for r in chosen)}: "
                         + "; ".join(f"{r.name}: {', '.join(unsupported(r))}" for r in chosen))
     return st.sampled_from(buildable).flatmap(lambda r: _for_rule(ruleset, r, max_bytes, dynamic, only_firing))
-
-
-def _ruleset(rules) -> RuleSet:
-    if isinstance(rules, RuleSet):
-        return rules
-    from dsl.loader import load_rules
-
-    return load_rules(rules)
