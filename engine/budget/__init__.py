@@ -29,7 +29,7 @@ from .layers import find_layers, ratio_target
 from .spec import Budget, parse_budget, parse_ratio
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
-           "choose", "find_layers", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
+           "Program", "choose", "find_layers", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
            "ratio_target", "reach"]
 
 SLICE_MENU = (2, 4, 8, 16, 32, 64)
@@ -119,29 +119,50 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
     return options, conflicts
 
 
+@dataclass
+class Program:
+    """What the planner solves over for one plan table: the memory curve of the graph the plans
+    were found on, every option, and the pairs of sites that conflict. Built once and solved for
+    as many budgets as a search tries (building it walks the graph and costs every option)."""
+
+    curve: Curve
+    options: list[Option]
+    conflicts: list
+    tiers: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, planning: Planning, graph: Graph, device: DeviceProfile | None = None) -> "Program":
+        curve = memory_curve(graph, planning.rules.views)
+        options, conflicts = options_for(planning, curve, device or PRESETS["cpu-default"])
+        return cls(curve, options, conflicts, planning.tiers)
+
+    def lowest(self) -> int:
+        """The lowest peak the options reach, by the additive model."""
+        return lowest_peak(self.curve.live, self.options, self.conflicts)
+
+
 def reach(planning: Planning, graph: Graph, device: DeviceProfile | None = None) -> tuple[int, int]:
     """(the original's peak, the lowest peak the plans reach), by the planner's additive model."""
-    curve = memory_curve(graph, planning.rules.views)
-    options, conflicts = options_for(planning, curve, device or PRESETS["cpu-default"])
-    return curve.peak, lowest_peak(curve.live, options, conflicts)
+    program = Program.of(planning, graph, device)
+    return program.curve.peak, program.lowest()
 
 
 def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
-           device: DeviceProfile | None = None, margin: int = 0) -> Choice:
+           device: DeviceProfile | None = None, margin: int = 0, program: Program | None = None) -> Choice:
     """The cheapest set of `planning`'s plans whose estimated peak on `graph` (the graph the
-    chunk plans were found on) is within `budget` less `margin` bytes. BudgetError when none is."""
-    device = device or PRESETS["cpu-default"]
+    chunk plans were found on) is within `budget` less `margin` bytes. BudgetError when none is.
+    `program`: the one `Program.of(planning, graph, device)` gives, when the caller has it."""
     budget = parse_budget(budget)
-    curve = memory_curve(graph, planning.rules.views)
-    options, conflicts = options_for(planning, curve, device)
+    program = program or Program.of(planning, graph, device)
+    curve = program.curve
     if budget.ratio is None:
         limit, note = budget.limit(curve.peak), ""
     else:
         limit, note = ratio_target(budget.ratio, curve.peak, graph, analyze(graph, graph.forward_outputs),
-                                   curve.peak - lowest_peak(curve.live, options, conflicts))
-    chosen = solve(curve.live, options, limit - margin, conflicts)
+                                   curve.peak - program.lowest())
+    chosen = solve(curve.live, program.options, limit - margin, program.conflicts)
     if chosen is None:
-        raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak, planning.tiers)
+        raise BudgetError(limit, program.lowest(), curve.peak, planning.tiers)
     live = applied(curve.live, chosen)
     return Choice(limit, curve.peak, max(live, default=0), sum(o.seconds for o in chosen),
                   {o.key[0]: o.key[1] for o in chosen}, chosen, note)
