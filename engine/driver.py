@@ -209,7 +209,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         nonlocal holding
         builder.start()
         choice.budget, choice.note = target, note
-        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection,
+                        estimate_peaks=False)
         done.choice = choice
         done.simulated_peak = simulated if simulated is not None else builder.simulate(done.result.graph)
         holding = done
@@ -220,7 +221,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         nonlocal holding
         original = original_peak()
         builder.start()
-        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded)
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, estimate_peaks=False)
         done.simulated_peak = builder.simulate(done.result.graph)
         results = [r for r in (done.chunk_result, done.result) if r is not None]
         plans = [p for r in results for p in r.planning.plans if p.requested]
@@ -304,7 +305,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
 
 def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],
              forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site],
-             selection: dict[Site, int | None] | None = None) -> Rewrite:
+             selection: dict[Site, int | None] | None = None, estimate_peaks: bool = True) -> Rewrite:
     if entries is not None:
         # Checked once against the graph as given; the re-plans below skip the plans consumed.
         select(plan_all(builder.current, rules, tiers, forward_outputs, strict).plans, entries)
@@ -322,7 +323,8 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
             # Planned once on the graph as given; planned again only when a region reaches into
             # one already built (its nodes or values are gone), as if after each region.
             result = apply(builder.current(fold=False), chunk_rules, chunk_entries, _known(chunk_rules, tiers),
-                           forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
+                           forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection,
+                           estimate_peaks=estimate_peaks)
             first = first or result
             pending = [r for r in result.chunks if _site(r) not in unbuildable]
             consumed = _Consumed()
@@ -345,7 +347,8 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
             if p.key == region.key and p.type == PlanType.CHUNK:
                 p.applied += 1
     result = apply(builder.current(fold=True), other_rules, other_entries, _known(other_rules, tiers),
-                   forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
+                   forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection,
+                   estimate_peaks=estimate_peaks)
     builder.finish(result)
     return Rewrite(result, first, builder.built_as, chunked, not_built)
 

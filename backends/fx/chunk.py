@@ -260,28 +260,6 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
     return module
 
 
-class _Incremental(FakeTensorProp):
-    """Fake-tensor propagation of the nodes a rewrite made (`fresh`) and of those whose inputs'
-    values changed because of it (a reader of a region output now reads the concatenated slices,
-    whose strides may differ); every other node keeps its `meta["val"]`. Propagating the whole
-    graph after each region cost a second per region at 16 layers."""
-
-    def __init__(self, gm: fx.GraphModule, mode, fresh: set[fx.Node]):
-        super().__init__(gm, mode=mode)
-        self.fresh = fresh
-        self.changed: set[fx.Node] = set()
-
-    def run_node(self, n: fx.Node):
-        old = n.meta.get("val")
-        if old is not None and n not in self.fresh and n.op not in ("placeholder", "output") \
-                and not any(i in self.changed or i in self.fresh for i in n.all_input_nodes):
-            return old
-        result = super().run_node(n)
-        if n not in self.fresh and not _same_layout(old, n.meta.get("val")):
-            self.changed.add(n)
-        return result
-
-
 def _same_layout(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
@@ -291,12 +269,30 @@ def _same_layout(a, b) -> bool:
 
 
 def _propagate_fake(gm: fx.GraphModule, fresh: set[fx.Node] | None = None) -> None:
-    """Fresh `meta["val"]` for every node (or, given `fresh`, for those nodes and what their
-    values change): the partitioner and Inductor read them."""
+    """Fresh `meta["val"]` for every node, or, given `fresh`, for those nodes and the readers
+    whose values they change (a reader of a region output now reads the concatenated slices,
+    whose strides may differ): the partitioner and Inductor read them. Every other node keeps
+    its value; propagating the whole graph after each region cost a second per region at 16
+    layers."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(vals)
-    prop = FakeTensorProp(gm, mode=mode) if fresh is None else _Incremental(gm, mode, fresh)
-    prop.propagate_dont_convert_inputs(*vals)
+    prop = FakeTensorProp(gm, mode=mode)
+    if fresh is None:
+        prop.propagate_dont_convert_inputs(*vals)
+    else:
+        changed: set[fx.Node] = set()
+        with mode:
+            for node in gm.graph.nodes:
+                if node.op in ("placeholder", "output") or (
+                        node not in fresh and not any(i in fresh or i in changed for i in node.all_input_nodes)):
+                    continue
+                for i in node.all_input_nodes:
+                    if i not in prop.env:
+                        prop.env[i] = getattr(gm, i.target) if i.op == "get_attr" else i.meta["val"]
+                old = node.meta.get("val")
+                prop.env[node] = prop.run_node(node)
+                if node not in fresh and not _same_layout(old, node.meta.get("val")):
+                    changed.add(node)
     # torch 2.13 leaves the first call of a subgraph without `val` (its later calls get one);
     # the getitems that unpack it have theirs.
     for node in gm.graph.nodes:

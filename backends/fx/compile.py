@@ -43,6 +43,7 @@ from backends.device import profile_for
 
 from .chunk import apply_chunk
 from .importer import _flat_nodes, import_fx
+from .modules import working_module
 
 
 @functools.cache
@@ -75,7 +76,7 @@ class FxBuilder:
     def start(self) -> None:
         copy = fx.Graph()
         copy.output(copy.graph_copy(self.graph, {}))
-        self.work = fx.GraphModule(self.owner if self.owner is not None else {}, copy)
+        self.work = working_module(self.owner if self.owner is not None else {}, copy)
         self.two_phase = False
 
     def current(self, fold: bool) -> Graph:
