@@ -128,7 +128,7 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
           tiers: Iterable[str] = (), forward_outputs: list[str] | None = None,
           lenient: bool = False, strict: bool | None = None,
           excluded: frozenset[Site] = frozenset(),
-          selection: dict[Site, int | None] | None = None) -> Result:
+          selection: dict[Site, int | None] | None = None, estimate_peaks: bool = True) -> Result:
     """Rewrite a copy of `graph` with `rules`. With no config every type-1 plan is applied, and
     every chunk plan (type 3) is selected. Chunk plans are built by the backend that owns the
     graph (backends.fx.chunk, backends.onnx.chunk): they are returned in `Result.chunks`, not
@@ -136,11 +136,13 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     An internal error while rewriting one region raises a PlanFailure naming its site (the copy
     is half edited): `engine.failures.with_fallback` runs the rewrite again without it.
     `selection` (the budget planner's choice) names the occurrences to apply instead of a
-    config, with each chosen chunk region's slice count."""
+    config, with each chosen chunk region's slice count. `estimate_peaks`: the schedule-order
+    peak before and after, for the report (the budget search, which simulates the backend
+    instead, skips them: two walks of the graph per rewrite it builds)."""
     if not isinstance(rules, RuleSet):
         raise TypeError("rules must be a RuleSet: compile .rule files with dsl.load_rules(paths)")
     entries = parse_config(config) if isinstance(config, str) else config
-    peak_before = estimate_peak(graph, rules.views).peak_bytes
+    peak_before = estimate_peak(graph, rules.views).peak_bytes if estimate_peaks else None
     work = graph.copy()
     planning = plan(work, rules, tiers, forward_outputs, strict, excluded)
     chosen = _selected(planning.plans, selection) if selection is not None else _configured(
@@ -166,5 +168,5 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
         p.applied += 1
     result_graph = rewriter.finish()
     result_graph.verify()
-    return Result(result_graph, planning, applied, peak_before,
-                  estimate_peak(result_graph, rules.views).peak_bytes, chunks)
+    peak_after = estimate_peak(result_graph, rules.views).peak_bytes if estimate_peaks else None
+    return Result(result_graph, planning, applied, peak_before, peak_after, chunks)

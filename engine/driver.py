@@ -17,6 +17,7 @@ from the graph as given (`with_fallback`); strict mode raises it instead.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .budget import Budget, Choice, DeviceProfile
 
 MAX_CHUNK_SITES = 64
+log = logging.getLogger("remat.budget")
 
 
 class Builder(Protocol):
@@ -55,8 +57,9 @@ class Builder(Protocol):
         """Carry the applied recompute and compromise plans into the backend's graph."""
 
     def simulate(self, graph: Graph) -> int:
-        """The peak the backend will reach running `graph` (its order, its allocator), in
-        bytes: what a budget is checked against."""
+        """The peak the backend will reach running its working graph, of which `graph` is the
+        IR (`current()`'s), in bytes (its order, its allocator): what a budget is checked
+        against. A backend may simulate its own graph rather than the IR (fx does)."""
 
 
 @dataclass
@@ -164,47 +167,67 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
     judges. The search is over the budget given to the model: the user's budget first, then a
-    secant step by what the simulation said (down by the overshoot, at least doubling; up by
-    the slack), bisecting where the step leaves the bracket. Each probe builds and simulates a
-    whole rewrite (seconds on a large model), so it is built only when it could pay: a model
+    secant step by what the simulation said (down by the overshoot, then at least doubling; up
+    by the slack), bisecting where the step leaves the bracket. Each probe builds and simulates
+    a whole rewrite (seconds on a large model), so it is built only when it could pay: a model
     budget whose choice is a selection already built, or saves too little extra time over the
-    best fitting rewrite, is judged without building. The search ends when the best rewrite nearly fills the budget, the
-    bracket closes, or MAX_PROBES rewrites were built."""
+    best fitting rewrite, is judged without building. The search ends when the best rewrite
+    nearly fills the budget, when no model budget in the bracket can save enough extra time to
+    be worth a build (the choice that overshot bounds what any can save), when the bracket
+    closes, or after MAX_PROBES rewrites. The original graph is simulated only when the budget
+    needs it (a fraction, a ratio) or the error names it."""
     from .analysis import analyze
-    from .budget import Budget, BudgetError, Choice, annotate_costs, choose, parse_budget, ratio_target, reach
+    from .budget import Budget, BudgetError, Choice, Program, annotate_costs, choose, parse_budget, ratio_target
 
     builder.start()
     budget = parse_budget(budget)
     given = builder.current(True)
-    original_peak = builder.simulate(given)
+    simulated_original: list[int] = []
+
+    def original_peak() -> int:
+        """The graph as given, simulated: for a fraction or a ratio, and for the error message
+        (a budget in bytes needs no simulation of it, which costs as much as a probe). It
+        starts the builder afresh: call it before building, not between a build and its use."""
+        nonlocal holding
+        if not simulated_original:
+            builder.start()
+            holding = None
+            simulated_original.append(builder.simulate(builder.current(True)))
+        return simulated_original[0]
+
     # Planned once: a probe selects sites by (rule, node) name, which every fresh start keeps.
     planning = plan_all(builder.current, rules, tiers, forward_outputs, strict, excluded)
     planned_on = builder.current(False)
-    original, lowest = reach(planning, planned_on, device)
+    program = Program.of(planning, planned_on, device)
+    original, lowest = program.curve.peak, program.lowest()
     target = note = None
     built: dict[frozenset, Rewrite] = {}
     holding: Rewrite | None = None          # the rewrite the builder's graph is now
 
-    def build(choice: Choice) -> Rewrite:
+    def build(choice: Choice, simulated: int | None = None) -> Rewrite:
+        """The rewrite `choice` selects, simulated (unless its peak is known from an earlier build)."""
         nonlocal holding
         builder.start()
         choice.budget, choice.note = target, note
-        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection)
-        done.choice, done.simulated_peak = choice, builder.simulate(done.result.graph)
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, choice.selection,
+                        estimate_peaks=False)
+        done.choice = choice
+        done.simulated_peak = simulated if simulated is not None else builder.simulate(done.result.graph)
         holding = done
         return done
 
     def everything() -> Rewrite:
         """Every plan the rules offer (what `remat apply` does without a budget): the lowest peak."""
         nonlocal holding
+        original = original_peak()
         builder.start()
-        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded)
+        done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, estimate_peaks=False)
         done.simulated_peak = builder.simulate(done.result.graph)
         results = [r for r in (done.chunk_result, done.result) if r is not None]
         plans = [p for r in results for p in r.planning.plans if p.requested]
         annotate_costs(Planning(done.result.graph, rules, done.result.planning.analysis, plans), device)
         selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
-        done.choice = Choice(target, original_peak, done.simulated_peak,
+        done.choice = Choice(target, original, done.simulated_peak,
                              sum(p.extra_seconds or 0.0 for p in plans), selection, note=note)
         holding = done
         return done
@@ -214,30 +237,41 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         # A ratio is of what recomputing the layers takes off the peak as the backend runs it:
         # the layers' stash, or less where the rules' lowest simulated peak says so.
         floor = everything()
-        target, note = ratio_target(budget.ratio, original_peak, given, analyze(given, forward_outputs),
-                                    original_peak - floor.simulated_peak)
+        target, note = ratio_target(budget.ratio, original_peak(), given, analyze(given, forward_outputs),
+                                    original_peak() - floor.simulated_peak)
         floor.choice.budget, floor.choice.note = target, note
         if target <= floor.simulated_peak:
             return floor
     else:
-        target, note = budget.limit(original_peak), ""   # a fraction: of the peak the backend simulates
+        # A fraction is of the peak the backend simulates; bytes need no simulation of the original.
+        target = budget.bytes if budget.bytes is not None else budget.limit(original_peak())
+        note = ""
     target = max(1, target)
     # Model budgets, both bounds exclusive: at lo and below nothing cheaper fits, hi overshoots.
     lo, hi = lowest - 1, max(original, lowest) + 1
     best: Rewrite | None = None
     model = min(max(target, lowest), hi - 1)
     probes = down = 0
+    cheapest_over: float | None = None      # the extra time of the choice at hi, which overshot
+
+    def small(gain: float) -> bool:
+        """Too little extra time saved over the best fitting rewrite to build another for."""
+        return gain <= max(GAIN_FLOOR, 0.02 * best.choice.extra_seconds)
+
     while probes < MAX_PROBES and lo < model < hi:
-        choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device)
+        choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device, program=program)
         key = frozenset(choice.selection.items())
-        gain = best.choice.extra_seconds - choice.extra_seconds if best is not None else None
         if key in built:
             done = built[key]
-        elif gain is not None and gain <= max(GAIN_FLOOR, 0.02 * best.choice.extra_seconds):
+        elif best is not None and small(best.choice.extra_seconds - choice.extra_seconds):
             done = None
         else:
             done = built[key] = build(choice)
             probes += 1
+        log.debug("budget search: model budget %.1f MiB -> %s", model / 2**20,
+                  "not built (no cheaper than the best that fits)" if done is None else
+                  f"simulated {done.simulated_peak / 2**20:.1f} MiB for {target / 2**20:.1f}, "
+                  f"extra {done.choice.extra_seconds * 1e3:.1f} ms")
         if done is None:            # no cheaper than the best that fits: as good as fitting
             lo, step = model, None
         elif done.simulated_peak <= target:
@@ -248,26 +282,30 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
         else:
-            # Down by the overshoot, but by at least an eighth of the way to the floor and twice
-            # the last step down: the allocator rounds small changes away (a probe 4 MiB lower can
-            # simulate exactly as high), so steps of the overshoot alone can crawl.
-            down = max(done.simulated_peak - target, 2 * down, (model - lo) // 8)
-            hi, step = model, model - down
+            # Down by the overshoot (the secant, taking the simulation to move with the model); a
+            # second step down is at least an eighth of the way to the floor and twice the last:
+            # the allocator rounds small changes away (a probe 4 MiB lower can simulate exactly
+            # as high), so steps of the overshoot alone can crawl.
+            overshoot = done.simulated_peak - target
+            down = overshoot if not down else max(overshoot, 2 * down, (model - lo) // 8)
+            hi, step, cheapest_over = model, model - down, done.choice.extra_seconds
         model = step if step is not None and lo < step < hi else (lo + hi) // 2
         if hi - lo <= max(target // 100, 1):
             break
+        if best is not None and cheapest_over is not None and small(best.choice.extra_seconds - cheapest_over):
+            break                   # no model budget below hi saves more than that: none is worth a build
     if best is None:
         best = floor or everything()
         if best.simulated_peak > target:
-            raise BudgetError(target, best.simulated_peak, original_peak, tiers)
+            raise BudgetError(target, best.simulated_peak, original_peak(), tiers)
     if holding is not best:         # the builder holds another probe's graph: rebuild the best one
-        best = everything() if best is floor else build(best.choice)
+        best = everything() if best is floor else build(best.choice, best.simulated_peak)
     return best
 
 
 def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],
              forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site],
-             selection: dict[Site, int | None] | None = None) -> Rewrite:
+             selection: dict[Site, int | None] | None = None, estimate_peaks: bool = True) -> Rewrite:
     if entries is not None:
         # Checked once against the graph as given; the re-plans below skip the plans consumed.
         select(plan_all(builder.current, rules, tiers, forward_outputs, strict).plans, entries)
@@ -277,14 +315,22 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
     first: Result | None = None
     chunked, not_built = 0, []
     unbuildable: set[Site] = set()
+    pending: list[ChunkRegion] = []
+    result: Result | None = None
+    consumed = _Consumed()
     while chunk_rules.rules and chunked < MAX_CHUNK_SITES:
-        result = apply(builder.current(fold=False), chunk_rules, chunk_entries, _known(chunk_rules, tiers),
-                       forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
-        first = first or result
-        pending = [r for r in result.chunks if _site(r) not in unbuildable]
+        if result is None or (pending and consumed.touches(pending[0])):
+            # Planned once on the graph as given; planned again only when a region reaches into
+            # one already built (its nodes or values are gone), as if after each region.
+            result = apply(builder.current(fold=False), chunk_rules, chunk_entries, _known(chunk_rules, tiers),
+                           forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection,
+                           estimate_peaks=estimate_peaks)
+            first = first or result
+            pending = [r for r in result.chunks if _site(r) not in unbuildable]
+            consumed = _Consumed()
         if not pending:
             break
-        region = pending[0]
+        region = pending.pop(0)
         try:
             with at_site(_site(region), "build", region.key):
                 builder.build(result, region, chunked)
@@ -295,14 +341,39 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
             unbuildable.add(_site(region))
             not_built.append(f"{region.match.rule.name} at {region.match.root.name}: {failure.cause}")
             continue
+        consumed.add(region)
         chunked += 1
         for p in first.plans:
             if p.key == region.key and p.type == PlanType.CHUNK:
                 p.applied += 1
     result = apply(builder.current(fold=True), other_rules, other_entries, _known(other_rules, tiers),
-                   forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection)
+                   forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection,
+                   estimate_peaks=estimate_peaks)
     builder.finish(result)
     return Rewrite(result, first, builder.built_as, chunked, not_built)
+
+
+class _Consumed:
+    """The names a built region took out of the graph (its nodes, the values they made): a
+    region planned beside it that names one of them must be planned again on the graph as it
+    now is. Regions apart from each other (one per layer's attention, the loss) are built from
+    one plan: planning again after each, as the loop once did, cost O(regions x nodes) per
+    region (16 layers: 20 plans at 2.8 s each)."""
+
+    def __init__(self) -> None:
+        self.nodes: set[str] = set()
+        self.values: set[str] = set()
+
+    def add(self, region: ChunkRegion) -> None:
+        self.nodes.update(n.name for n in region.nodes)
+        self.values.update(o.name for n in region.nodes for o in n.outputs if o is not None)
+
+    def touches(self, region: ChunkRegion) -> bool:
+        nodes = [*region.nodes, *region.tangent_chain]
+        values = [*region.inputs, *(o for n in nodes for o in n.outputs if o is not None)]
+        if region.tangent is not None:
+            values.append(region.tangent)
+        return any(n.name in self.nodes for n in nodes) or any(v.name in self.values for v in values)
 
 
 def _site(region: ChunkRegion) -> Site:

@@ -67,6 +67,9 @@ class MatchContext:
         self._forward_outputs = forward_outputs or graph.forward_outputs
         self._saved: dict[int, bool] = {}
         self.examples = graph.dim_examples
+        # The chunk grower's index of the graph (engine.strategies.chunk.grow.GraphIndex), made by
+        # the first chunk match and shared by the others.
+        self.chunk_index = None
 
     @property
     def analysis(self) -> Analysis:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .dtypes import DType
 from .errors import RuleError, SourceLocation
+from .plan_type import PlanType
 
 DEFAULT_TIER = "default"
 
@@ -184,14 +185,14 @@ class Rule:
             raise RuleError(f"pattern nested too deeply (limit {MAX_PATTERN_DEPTH})", self.location)
 
     @property
-    def plan_type(self) -> int:
-        """1 recompute, 2 recompute with compromise (a new stash), 3 chunk."""
+    def plan_type(self) -> PlanType:
+        """Recompute, recompute with compromise (a new stash), or chunk, by the rule's actions."""
         if any(isinstance(a, Chunk) for a in self.actions):
-            return 3
+            return PlanType.CHUNK
         for a in self.actions:
             if isinstance(a, Save) or (isinstance(a, Recompute) and a.sources):
-                return 2
-        return 1
+                return PlanType.RECOMPUTE_WITH_COMPROMISE
+        return PlanType.RECOMPUTE
 
     def node_patterns(self) -> Iterable[NodePattern]:
         """Each pattern of the rule once (a statement several inputs read is one shared pattern)."""

@@ -72,6 +72,45 @@ def test_the_solver_finds_the_brute_force_optimum(ints, budget):
         assert best - 1e-9 <= sum(o.seconds for o in got) <= best * (1 + MIP_GAP) + 1e-6
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=40, max_size=40), st.integers(20, 220), st.integers(0, 6))
+def test_with_layer_families_the_solver_finds_the_brute_force_optimum(ints, budget, partial_cost):
+    """Options that do the same thing in several layers form a family; a family taken in some of
+    its layers but not all costs `partial_cost` (those layers compile kernels of their own)."""
+    live, options = _random_options(ints, 8, 6)
+    for j, o in enumerate(options):
+        o.family = ("fam", j % 2) if j < 4 else None
+    best = None
+    for picks in itertools.product([0, 1], repeat=len(options)):
+        chosen = [o for o, p in zip(options, picks) if p]
+        groups = [o.group for o in chosen]
+        if len(groups) != len(set(groups)) or max(applied(live, chosen)) > budget:
+            continue
+        partial = sum(1 for f in {o.family for o in options if o.family}
+                      if 0 < sum(o.family == f for o in chosen) < sum(o.family == f for o in options))
+        cost = sum(o.seconds for o in chosen) + partial_cost * partial
+        best = cost if best is None else min(best, cost)
+    got = solve(live, options, budget, partial_cost=partial_cost)
+    if best is None:
+        assert got is None
+    else:
+        assert got is not None and max(applied(live, got)) <= budget
+        partial = sum(1 for f in {o.family for o in options if o.family}
+                      if 0 < sum(o.family == f for o in got) < sum(o.family == f for o in options))
+        assert best - 1e-9 <= sum(o.seconds for o in got) + partial_cost * partial <= best * (1 + MIP_GAP) + 1e-6
+
+
+def test_identical_layers_get_identical_plans_unless_an_uneven_choice_pays():
+    """Three layers each offer the same two recomputes: saving 20 takes two of family A (2 s) or
+    all three of A (3 s). With a layer variant priced at 5 s, the whole family wins."""
+    live = [100]
+    a = [Option(("a", k), ("a", k), 1.0, [(0, 0, -10)], family="A") for k in range(3)]
+    b = [Option(("b", k), ("b", k), 2.5, [(0, 0, -15)], family="B") for k in range(3)]
+    assert len(solve(live, a + b, 80)) == 2
+    chosen = solve(live, a + b, 80, partial_cost=5.0)
+    assert sorted(o.key for o in chosen) == [("a", 0), ("a", 1), ("a", 2)]
+
+
 def _mlp(widths, activations, seed):
     layers = [Layer(w, a) for w, a in zip(widths, activations)]
     model, feeds = build_mlp(64, layers, examples={"batch": 8, "seq": 64}, seed=seed)

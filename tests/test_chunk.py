@@ -228,6 +228,62 @@ def test_chunked_attention_runs_in_two_phases_and_matches_eager(tmp_path_factory
         assert relative_error(got, want) <= 1e-4
 
 
+class AttentionLayers(nn.Module):
+    """`layers` causal attention blocks with residuals (the same shapes in every layer), then a loss."""
+
+    def __init__(self, d: int, heads: int, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention(d, heads) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            b, t, d = x.shape
+            q, k, v = (z.view(b, t, block.heads, -1).transpose(1, 2) for z in block.qkv(x).split(d, dim=-1))
+            scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+            att = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            x = x + torch.tanh(block.out((att @ v).transpose(1, 2).reshape(b, t, d)))
+        return x.square().mean()
+
+
+def test_regions_of_every_layer_are_planned_once_and_share_their_compiled_bodies(tmp_path, fresh_compiles,
+                                                                                  monkeypatch):
+    """Three layers' attention regions come from one plan (not one plan per region built), and
+    every layer calls the same two bodies (forward and backward phase): Inductor compiles a body
+    once, whatever the number of layers. The numbers stay eager's."""
+    import engine.driver
+    import torch._inductor.config as inductor_config
+    from torch import fx
+
+    plans = []
+    real_apply = engine.driver.apply
+    monkeypatch.setattr(engine.driver, "apply", lambda graph, rules, *a, **k: plans.append(rules) or
+                        real_apply(graph, rules, *a, **k))
+    bodies, calls = set(), []
+
+    def inspect(graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if node.target is torch.ops.higher_order.invoke_subgraph:
+                calls.append(node)
+                bodies.add(node.args[0].target)
+            assert node.op in ("placeholder", "output", "get_attr") or "val" in node.meta, node
+
+    torch.manual_seed(0)
+    model = AttentionLayers(8, 2, 3)
+    x = torch.randn(2, 32, 8)
+    eager_loss, eager_grads, _ = training_step(model, model, (x,))
+    path = tmp_path / "chunk_scores.rule"
+    path.write_text(ATTENTION_RULE.format(count=4))
+    remat = fx_backend.backend(rules=[path])
+    with inductor_config.patch(joint_custom_post_pass=inspect):
+        loss, grads, _ = training_step(model, torch.compile(model, backend=remat), (x,))
+    assert remat.remat_pass.chunked == 3
+    assert sum(1 for rules in plans if any(r.plan_type.name == "CHUNK" for r in rules.rules)) == 1, plans
+    assert len(calls) == 3 * 2 * 4 and len(bodies) == 2, (len(calls), bodies)
+    assert relative_error(loss, eager_loss) <= 1e-4
+    for got, want in zip(grads, eager_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 def test_a_config_naming_a_plan_chunking_consumes_still_compiles(fresh_compiles, tmp_path):
     """The config comes from the plan table of the unchunked graph; the chunk region takes the
     log-probabilities a recompute plan named, and the compile goes on without that plan."""

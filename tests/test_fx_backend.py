@@ -139,3 +139,29 @@ def test_decomposed_op_folds_into_one_node_only_when_contiguous():
     assert folded.nodes[0].backend_nodes == ["exp_default", "mul_tensor"]
     kept = import_fx(_decomposed(True))
     assert [n.op for n in kept.nodes] == ["Exp", "Neg", "Mul", "Add"]
+
+
+def test_a_torch_compile_mode_reaches_inductor_through_the_registered_backend(fresh_compiles, monkeypatch):
+    """torch.compile(mode=...) gives a registered backend its mode: remat compiles under the
+    mode's Inductor settings (reduce-overhead: CUDA graphs, which Inductor skips on a CPU), and
+    an unknown mode is the caller's error."""
+    import torch._inductor.compile_fx as compile_fx_module
+    import torch._inductor.config as inductor_config
+
+    from engine.errors import ConfigError
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.triton.cudagraphs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    model = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2))
+    eager_loss, _, _ = training_step(model, model)
+    loss, _, _ = training_step(model, torch.compile(model, backend="remat", mode="reduce-overhead"))
+    assert seen and all(seen), seen
+    assert relative_error(loss, eager_loss) <= 1e-4
+    with pytest.raises(ConfigError, match="unknown torch.compile mode"):
+        fx_backend.backend(mode="fastest")

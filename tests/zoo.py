@@ -850,8 +850,11 @@ FIXED: list[Variant] = [
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
       expect=("recompute_softmax", "recompute_norm", "recompute_activation")),
+    # SDPA's fused kernel keeps no scores: nothing for the attention chunk; the expensive tier
+    # recomputes the kernel itself in backward.
     V("gpt_sdpa_additive_swiglu_rmsmodule_ignore", scale="sdpa", mask="additive", mlp="swiglu",
-      loss="ce_ignore", norm="rms_module", expect=("chunk_linear_cross_entropy", "recompute_elementwise")),
+      loss="ce_ignore", norm="rms_module", tiers=("expensive",),
+      expect=("chunk_linear_cross_entropy", "recompute_elementwise", "recompute_fused_attention")),
     # bfloat16 scores are 8 MiB: below chunk_attention_scores' 16 MiB. Soft-capped logits
     # (Gemma 2) go through a reshape that does not carry the sliced dim: not chunked.
     V("gpt_bf16_fp32_softmax_inplace_softcap", precision="bf16", inplace=True, loss="softcap",

@@ -10,13 +10,15 @@ from pathlib import Path
 
 
 def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), report=None,
-            strict: bool | None = None, budget=None, device=None):
-    """A configured torch.compile backend (see backends.fx.compile). `strict` (default: the
-    REMAT_STRICT environment variable): raise remat's internal errors instead of falling back.
-    `budget`: the planner picks the fastest plans whose estimated peak fits it."""
+            strict: bool | None = None, budget=None, device=None, ratio: float | None = None,
+            mode: str | None = None):
+    """A configured torch.compile backend (see backends.fx.compile.backend). `strict` (default:
+    the REMAT_STRICT environment variable): raise remat's internal errors instead of falling
+    back. `budget`: the planner picks the fastest plans whose estimated peak fits it; `ratio`:
+    a budget by layers. `mode`: torch.compile's Inductor mode (`max-autotune`, ...)."""
     from .compile import backend as make_backend
 
-    return make_backend(rules, config, tiers, report, strict, budget, device)
+    return make_backend(rules, config, tiers, report, strict, budget, device, ratio, mode)
 
 
 def joint_graph(model, example_inputs: Sequence):

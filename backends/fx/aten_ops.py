@@ -30,7 +30,17 @@ ATTRIBUTE_ARGS = {
     "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
     "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},
     "full_like": {1: "value"},
+    "_scaled_dot_product_flash_attention_for_cpu": {3: "dropout_p", 4: "is_causal"},
+    "_scaled_dot_product_flash_attention": {3: "dropout_p", 4: "is_causal", 5: "return_debug_mask"},
+    "_scaled_dot_product_efficient_attention": {4: "compute_log_sumexp", 5: "dropout_p", 6: "is_causal"},
+    "_scaled_dot_product_cudnn_attention": {4: "compute_log_sumexp", 5: "dropout_p", 6: "is_causal",
+                                            7: "return_debug_mask"},
 }
+# ATen defaults the IR writes out, so a rule can require them (`dropout_p=0.0`: a fused attention
+# kernel that draws no random numbers, which recomputing it would not reproduce).
+EXPLICIT_DEFAULTS = {op: {"dropout_p": 0.0, "is_causal": False} for op in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")}
 KEYWORD_ATTRIBUTES = {"keepdim": "keepdims", "dim": "axes"}
 
 
@@ -57,6 +67,8 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
         out["perm"] = list(range(rank))[::-1]
     elif base == "permute" and "perm" in out:
         out["perm"] = [int(p) for p in out["perm"]]
+    for key, default in EXPLICIT_DEFAULTS.get(base, {}).items():
+        out[key] = type(default)(out.get(key, default))
     return out
 
 

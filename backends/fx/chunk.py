@@ -60,6 +60,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     """Rewrite `graph` (owned by a GraphModule) so `region` runs slice by slice, one pass
     over the slices per phase."""
     gm = graph.owning_module
+    before = set(graph.nodes)
     by_name = {n.name: n for n in graph.nodes}
     in_region = {_fx(n.backend_nodes[0], by_name) for n in region.nodes}
     elided = {_fx(n.backend_nodes[0], by_name) for n in region.elided}
@@ -79,15 +80,50 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
                  for size in sorted(set(region.chunks))}
         phases.append((body, inputs, input_meta, outputs, output_meta, recomputed, built))
     for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
-        subgraphs: dict[int, str] = {}
-        for size, sub in built.items():
-            attr = f"{name}_{k}_{len(subgraphs)}"
-            setattr(gm, attr, sub)
-            subgraphs[size] = attr
+        subgraphs = {size: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (size, sub) in enumerate(built.items())}
         _rewire(graph, region, inputs, input_meta, outputs, output_meta, body, recomputed, in_region,
                 subgraphs)
     graph.lint()
-    _propagate_fake(gm)
+    _propagate_fake(gm, {n for n in graph.nodes if n not in before})
+
+
+def _attribute(gm: fx.GraphModule, sub: fx.GraphModule, attr: str) -> str:
+    """The attribute of `gm` that holds `sub`: an earlier one holding the same body (each layer's
+    attention, slice for slice) is shared, so Inductor lowers and compiles the body once for
+    every region that runs it (it keys subgraphs by attribute), not once per layer."""
+    bodies = gm.meta.setdefault("remat_chunk_bodies", {})
+    key = _body_key(sub)
+    if key in bodies and hasattr(gm, bodies[key]):
+        return bodies[key]
+    setattr(gm, attr, sub)
+    bodies[key] = attr
+    return attr
+
+
+def _body_key(sub: fx.GraphModule) -> str:
+    """What a chunk body computes, names aside: its nodes' ops and arguments by position, and
+    each input's shape, strides, dtype and device (Inductor compiles a body for its inputs'
+    layout)."""
+    index: dict[fx.Node, int] = {}
+
+    def canon(a):
+        if isinstance(a, fx.Node):
+            return ("%", index[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(canon(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, canon(v)) for k, v in a.items()))
+        return repr(a)
+
+    parts = []
+    for k, node in enumerate(sub.graph.nodes):
+        index[node] = k
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            parts.append(("in", tuple(val.shape), tuple(val.stride()), str(val.dtype), str(val.device)))
+        else:
+            parts.append((node.op, str(node.target), canon(node.args), canon(node.kwargs)))
+    return repr(parts)
 
 
 def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list,
@@ -224,11 +260,39 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
     return module
 
 
-def _propagate_fake(gm: fx.GraphModule) -> None:
-    """Fresh `meta["val"]` for every node: the partitioner and Inductor read them."""
+def _same_layout(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return type(a) is type(b)
+
+
+def _propagate_fake(gm: fx.GraphModule, fresh: set[fx.Node] | None = None) -> None:
+    """Fresh `meta["val"]` for every node, or, given `fresh`, for those nodes and the readers
+    whose values they change (a reader of a region output now reads the concatenated slices,
+    whose strides may differ): the partitioner and Inductor read them. Every other node keeps
+    its value; propagating the whole graph after each region cost a second per region at 16
+    layers."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(vals)
-    FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*vals)
+    prop = FakeTensorProp(gm, mode=mode)
+    if fresh is None:
+        prop.propagate_dont_convert_inputs(*vals)
+    else:
+        changed: set[fx.Node] = set()
+        with mode:
+            for node in gm.graph.nodes:
+                if node.op in ("placeholder", "output") or (
+                        node not in fresh and not any(i in fresh or i in changed for i in node.all_input_nodes)):
+                    continue
+                for i in node.all_input_nodes:
+                    if i not in prop.env:
+                        prop.env[i] = getattr(gm, i.target) if i.op == "get_attr" else i.meta["val"]
+                old = node.meta.get("val")
+                prop.env[node] = prop.run_node(node)
+                if node not in fresh and not _same_layout(old, node.meta.get("val")):
+                    changed.add(node)
     # torch 2.13 leaves the first call of a subgraph without `val` (its later calls get one);
     # the getitems that unpack it have theirs.
     for node in gm.graph.nodes:

@@ -43,6 +43,7 @@ from backends.device import profile_for
 
 from .chunk import apply_chunk
 from .importer import PLAN, _flat_nodes, import_fx
+from .modules import working_module
 
 
 @functools.cache
@@ -77,7 +78,7 @@ class FxBuilder:
     def start(self) -> None:
         copy = fx.Graph()
         copy.output(copy.graph_copy(self.graph, {}))
-        self.work = fx.GraphModule(self.owner if self.owner is not None else {}, copy)
+        self.work = working_module(self.owner if self.owner is not None else {}, copy)
         self.two_phase = False
         self.replaced = {}
 
@@ -250,14 +251,18 @@ def _device_of(graph: fx.Graph) -> str:
 
 def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
             tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
-            strict: bool | None = None, budget=None, device=None, ratio: float | None = None):
+            strict: bool | None = None, budget=None, device=None, ratio: float | None = None,
+            mode: str | None = None):
     """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
     the shipped library by default) applied to the joint graph. `strict`
     (default: the REMAT_STRICT environment variable) raises remat's internal errors instead
     of compiling without the plan, or the graph without remat. `budget` (`"400MiB"`, or a
     fraction of the estimated peak, `0.6`): the planner chooses the fastest plans that fit,
     for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are). `ratio`
-    (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute."""
+    (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
+    `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
+    Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor."""
+    inductor_options = _mode_options(mode)
     if ratio is not None:
         if budget is not None:
             raise ConfigError("give a budget or a ratio, not both")
@@ -280,7 +285,8 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
         # backward only scales the weight gradient, in place when the buffer is donated (measured:
         # 0.3-0.5 MiB off linear + cross-entropy's peak at 32 slices).
         try:
-            with inductor_config.patch(joint_custom_pre_pass=remat_pass), \
+            with inductor_config.patch(inductor_options), \
+                    inductor_config.patch(joint_custom_pre_pass=remat_pass), \
                     functorch_config.patch(donated_buffer=functorch_config.donated_buffer):
                 return compile_fx(gm, example_inputs)
         except Exception as err:
@@ -290,10 +296,25 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
             # (An error of the user's own model is raised again from here, as without remat.)
             remat_pass.warn(f"remat: compiling this graph failed after remat's rewrite, compiling "
                             f"it without remat: {type(err).__name__}: {err}")
-            return compile_fx(gm, example_inputs)
+            with inductor_config.patch(inductor_options):
+                return compile_fx(gm, example_inputs)
 
     compile_with_remat.remat_pass = remat_pass
+    compile_with_remat.inductor_options = inductor_options
     return compile_with_remat
+
+
+def _mode_options(mode: str | None) -> dict:
+    """The Inductor settings of a torch.compile mode (`reduce-overhead`: CUDA graphs;
+    `max-autotune`: autotuned kernels and CUDA graphs), as torch gives them to Inductor."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    try:
+        return list_mode_options(mode)
+    except RuntimeError as err:
+        raise ConfigError(f"unknown torch.compile mode {mode!r}: {err}") from None
 
 
 OPTIONS = ("rules", "config", "tiers", "strict", "budget", "ratio", "device", "report")
@@ -301,10 +322,11 @@ OPTIONS = ("rules", "config", "tiers", "strict", "budget", "ratio", "device", "r
 
 def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """The registered `remat` backend: the shipped rules, default tier. torch.compile passes its
-    `options` to a registered backend, so `torch.compile(model, backend="remat",
-    options={"budget": "400MiB"})` works; the keys are backend()'s arguments."""
+    `mode` and `options` to a registered backend, so `torch.compile(model, backend="remat",
+    mode="max-autotune", options={"budget": "400MiB"})` works; the option keys are backend()'s
+    arguments, and the mode's Inductor settings apply as they would to Inductor."""
     options = dict(options or {})
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ConfigError(f"unknown remat option(s) {', '.join(sorted(unknown))}; options: {', '.join(OPTIONS)}")
-    return backend(**options)(gm, example_inputs)
+    return backend(**options, mode=mode)(gm, example_inputs)

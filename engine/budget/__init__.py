@@ -21,15 +21,15 @@ from ..failures import Site
 from ..ir import Graph
 from ..plan_type import PlanType
 from ..strategies.chunk import ChunkRegion
-from .cost import chunk_seconds, recompute_seconds
+from .cost import chunk_seconds, graph_seconds, recompute_seconds
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
 from .solve import Option, applied, lowest_peak, solve
-from .layers import find_layers, ratio_target
+from .layers import find_layers, layer_places, place_of, ratio_target
 from .spec import Budget, parse_budget, parse_ratio
 
 __all__ = ["Budget", "BudgetError", "Choice", "DeviceProfile", "PRESETS", "ParetoPoint", "annotate_costs",
-           "choose", "find_layers", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
+           "Program", "choose", "find_layers", "memory_curve", "pareto", "parse_budget", "parse_ratio", "preset",
            "ratio_target", "reach"]
 
 SLICE_MENU = (2, 4, 8, 16, 32, 64)
@@ -94,6 +94,12 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
     views = rules.views
     options: list[Option] = []
     chunk_values: dict[Site, set[str]] = {}
+    place = layer_places(curve.graph, analysis)
+
+    def family(region, k) -> tuple | None:
+        at = place_of(region.match.root, place)
+        return None if at is None else (region.match.rule.name, region.key, k, at)
+
     for plan in planning.plans:
         for region in plan.occurrences:
             site = site_of(region)
@@ -103,12 +109,12 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
                     effect = chunk_effect(region, k, curve, analysis, views)
                     if effect:
                         options.append(Option((site, k), site, chunk_seconds(region, k, rules, examples, device),
-                                              effect))
+                                              effect, family(region, k)))
             else:
                 effect = recompute_effect(region, curve, analysis, views)
                 if effect:
                     options.append(Option((site, None), site, recompute_seconds(region, rules, examples, device),
-                                          effect))
+                                          effect, family(region, None)))
     conflicts = []
     for plan in planning.plans:
         if plan.type == PlanType.CHUNK:
@@ -119,29 +125,60 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
     return options, conflicts
 
 
+# What a layer that runs other plans than its repeats costs the planner, as a share of the step's
+# estimated time: its kernels are compiled anew (seconds each on a CPU), so an uneven choice must
+# buy more than this to be taken (engine.budget.solve, `partial_cost`).
+LAYER_VARIANT_SHARE = 0.01
+
+
+@dataclass
+class Program:
+    """What the planner solves over for one plan table: the memory curve of the graph the plans
+    were found on, every option, the pairs of sites that conflict, and what an uneven choice
+    across identical layers costs. Built once and solved for as many budgets as a search tries
+    (building it walks the graph and costs every option)."""
+
+    curve: Curve
+    options: list[Option]
+    conflicts: list
+    tiers: tuple[str, ...] = ()
+    partial_cost: float = 0.0
+
+    @classmethod
+    def of(cls, planning: Planning, graph: Graph, device: DeviceProfile | None = None) -> "Program":
+        device = device or PRESETS["cpu-default"]
+        curve = memory_curve(graph, planning.rules.views)
+        options, conflicts = options_for(planning, curve, device)
+        step = graph_seconds(graph.nodes, planning.rules, graph.dim_examples, device)
+        return cls(curve, options, conflicts, planning.tiers, LAYER_VARIANT_SHARE * step)
+
+    def lowest(self) -> int:
+        """The lowest peak the options reach, by the additive model."""
+        return lowest_peak(self.curve.live, self.options, self.conflicts)
+
+
 def reach(planning: Planning, graph: Graph, device: DeviceProfile | None = None) -> tuple[int, int]:
     """(the original's peak, the lowest peak the plans reach), by the planner's additive model."""
-    curve = memory_curve(graph, planning.rules.views)
-    options, conflicts = options_for(planning, curve, device or PRESETS["cpu-default"])
-    return curve.peak, lowest_peak(curve.live, options, conflicts)
+    program = Program.of(planning, graph, device)
+    return program.curve.peak, program.lowest()
 
 
 def choose(planning: Planning, graph: Graph, budget: Budget | str | float | int,
-           device: DeviceProfile | None = None, margin: int = 0) -> Choice:
+           device: DeviceProfile | None = None, margin: int = 0, program: Program | None = None) -> Choice:
     """The cheapest set of `planning`'s plans whose estimated peak on `graph` (the graph the
-    chunk plans were found on) is within `budget` less `margin` bytes. BudgetError when none is."""
-    device = device or PRESETS["cpu-default"]
+    chunk plans were found on) is within `budget` less `margin` bytes. BudgetError when none is.
+    `program`: the one `Program.of(planning, graph, device)` gives, when the caller has it."""
     budget = parse_budget(budget)
-    curve = memory_curve(graph, planning.rules.views)
-    options, conflicts = options_for(planning, curve, device)
+    program = program or Program.of(planning, graph, device)
+    curve = program.curve
     if budget.ratio is None:
         limit, note = budget.limit(curve.peak), ""
     else:
         limit, note = ratio_target(budget.ratio, curve.peak, graph, analyze(graph, graph.forward_outputs),
-                                   curve.peak - lowest_peak(curve.live, options, conflicts))
-    chosen = solve(curve.live, options, limit - margin, conflicts)
+                                   curve.peak - program.lowest())
+    chosen = solve(curve.live, program.options, limit - margin, program.conflicts, program.partial_cost)
     if chosen is None:
-        raise BudgetError(limit, lowest_peak(curve.live, options, conflicts), curve.peak, planning.tiers)
+        raise BudgetError(limit, program.lowest(), curve.peak, planning.tiers)
     live = applied(curve.live, chosen)
     return Choice(limit, curve.peak, max(live, default=0), sum(o.seconds for o in chosen),
                   {o.key[0]: o.key[1] for o in chosen}, chosen, note)
@@ -172,13 +209,12 @@ class ParetoPoint:
 
 def pareto(planning: Planning, graph: Graph, device: DeviceProfile, steps: int = 12) -> list[ParetoPoint]:
     """The planner's choice over budgets from the original peak down to the lowest reachable one."""
-    curve = memory_curve(graph, planning.rules.views)
-    options, conflicts = options_for(planning, curve, device)
-    low = lowest_peak(curve.live, options, conflicts)
+    program = Program.of(planning, graph, device)
+    curve, low = program.curve, program.lowest()
     points = []
     for k in range(steps):
         limit = int(curve.peak - (curve.peak - low) * k / (steps - 1))
-        chosen = solve(curve.live, options, limit, conflicts)
+        chosen = solve(curve.live, program.options, limit, program.conflicts, program.partial_cost)
         if chosen is None:
             continue
         live = applied(curve.live, chosen)

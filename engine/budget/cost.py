@@ -64,5 +64,11 @@ def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: di
     return device.seconds(flops, moved + accumulate, per_pass * (slices - 1), half)
 
 
+def graph_seconds(nodes: list[Node], rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:
+    """The estimated time of running `nodes` once (a whole step, for a scale of what extra time is worth)."""
+    flops, half, moved = work(nodes, rules, examples)
+    return device.seconds(flops, moved, len(nodes), half)
+
+
 def value_bytes(v: Value, examples: dict[str, int]) -> int:
     return int(_size(v.nbytes, examples))

@@ -41,6 +41,27 @@ def find_layers(graph: Graph, analysis: Analysis) -> tuple[list[Layer], str]:
     return _layers_by_repetition(forward, graph), "repeated subgraphs"
 
 
+def layer_places(graph: Graph, analysis: Analysis) -> dict[str, int]:
+    """Node name -> its place in its layer (the same for the same node of every repeat of a
+    layer), for the forward's nodes inside the layers `find_layers` finds (none where it finds
+    fewer than two, or layers of different lengths, which are not repeats). By name, and by the
+    backend's node names too, so a node of another import of the same graph (decomposed ops
+    folded or not) finds its place."""
+    layers, _ = find_layers(graph, analysis)
+    if len(layers) < 2 or len({len(layer.nodes) for layer in layers}) != 1:
+        return {}
+    return {name: k for layer in layers for k, n in enumerate(layer.nodes)
+            for name in (n.name, *n.backend_nodes)}
+
+
+def place_of(node: Node, places: dict[str, int]) -> int | None:
+    """`node`'s place in its layer (layer_places), by its name or its first backend node's."""
+    for name in (node.name, *node.backend_nodes):
+        if name in places:
+            return places[name]
+    return None
+
+
 def stashed_bytes_by_layer(graph: Graph, analysis: Analysis, layers: list[Layer]) -> dict[str, int]:
     """Bytes each layer keeps for the backward (its stashed values, at the example dims)."""
     producer_layer = {id(n): layer.name for layer in layers for n in layer.nodes}

@@ -26,6 +26,10 @@ class Option:
     group: object               # options of one group are exclusive (one chunk region's counts)
     seconds: float
     effect: list[Interval]
+    # Options that do the same thing in each layer (one rule, plan and slice count at the same
+    # place of every repeated layer): a family taken in some layers but not all costs
+    # `solve`'s `partial_cost`, since those layers then compile kernels of their own.
+    family: object = None
 
 
 def applied(live: list[int], options: list[Option]) -> list[int]:
@@ -89,9 +93,21 @@ def _groups(options: list[Option], conflicts: list[tuple[object, object]]) -> li
     return out
 
 
+def _families(options: list[Option]) -> list[list[int]]:
+    by_family: dict[object, list[int]] = {}
+    for j, o in enumerate(options):
+        if o.family is not None:
+            by_family.setdefault(o.family, []).append(j)
+    return [members for members in by_family.values() if len(members) > 1]
+
+
 def solve(live: list[int], options: list[Option], budget: int,
-          conflicts: list[tuple[object, object]] = ()) -> list[Option] | None:
-    """The cheapest options that keep every step within `budget`; None when none can."""
+          conflicts: list[tuple[object, object]] = (), partial_cost: float = 0.0) -> list[Option] | None:
+    """The cheapest options that keep every step within `budget`; None when none can.
+    `partial_cost` (seconds) is added for each family of options taken in some of its layers
+    but not all: identical layers that run identical plans share their compiled kernels
+    (Inductor keys a kernel by its code), so uneven layers cost compile time (16 layers, 0.7x
+    the peak: 53 kernels compiled against torch.compile's 34, and 35 with every plan on)."""
     from scipy.optimize import Bounds, LinearConstraint, milp    # 33 MiB resident: only when planning
     positive = np.zeros(len(live))
     for o in options:
@@ -104,17 +120,37 @@ def solve(live: list[int], options: list[Option], budget: int,
     if not options:
         return None
     a, heights = _constraints(options, live, rows)
-    constraints = [LinearConstraint(a, -np.inf, budget - heights)]
+    n = len(options)
+    families = _families(options) if partial_cost > 0 else []
+    # Variables: the options, then per family `all` (every member on), `any` (one or more on) and
+    # `partial` (>= any - all), which is what costs.
+    width = n + 3 * len(families)
+    blocks = [(np.hstack([a, np.zeros((len(a), width - n))]), -np.inf, budget - heights)]
     exclusive = _groups(options, list(conflicts))
     if exclusive:
-        constraints.append(LinearConstraint(np.array(exclusive), -np.inf, 1))
+        blocks.append((np.hstack([np.array(exclusive), np.zeros((len(exclusive), width - n))]), -np.inf, 1))
+    family_rows = []
+    for f, members in enumerate(families):
+        every, some, partial = n + 3 * f, n + 3 * f + 1, n + 3 * f + 2
+        for j in members:
+            family_rows.append({every: 1, j: -1})       # all <= x_j
+            family_rows.append({j: 1, some: -1})        # x_j <= any
+        family_rows.append({some: 1, every: -1, partial: -1})   # any - all <= partial
+    if family_rows:
+        matrix = np.zeros((len(family_rows), width))
+        for r, row in enumerate(family_rows):
+            for col, coef in row.items():
+                matrix[r, col] = coef
+        blocks.append((matrix, -np.inf, 0))
+    constraints = [LinearConstraint(m, lo, hi) for m, lo, hi in blocks]
     # A tie-break toward fewer options: a plan that costs nothing is still not applied for nothing.
-    cost = np.array([o.seconds for o in options]) + 1e-9
-    result = milp(cost, constraints=constraints, integrality=np.ones(len(options)), bounds=Bounds(0, 1),
+    cost = np.concatenate([np.array([o.seconds for o in options]) + 1e-9,
+                           np.tile([0.0, 0.0, partial_cost], len(families))])
+    result = milp(cost, constraints=constraints, integrality=np.ones(width), bounds=Bounds(0, 1),
                   options={"mip_rel_gap": MIP_GAP})
     if result.status != 0 or result.x is None:
         return None
-    return [o for o, x in zip(options, result.x) if x > 0.5]
+    return [o for o, x in zip(options, result.x[:n]) if x > 0.5]
 
 
 def lowest_peak(live: list[int], options: list[Option], conflicts: list[tuple[object, object]] = ()) -> int:

@@ -65,6 +65,52 @@ def _zero(v: Value) -> bool:
         return False
 
 
+def kind_of(rules, node: Node) -> str | None:
+    """The chunk kind the rules declare for `node`'s op (under its IR or its native name)."""
+    return rules.chunkable.get(node.op) or rules.chunkable.get(node.native_op or "")
+
+
+class GraphIndex:
+    """What every chunk match on one graph asks of the whole graph, computed once per plan
+    (`MatchContext.chunk_index`) rather than once per match: each node's position, each
+    value's readers (subgraph captures included), and the values computed from the incoming
+    gradients. Walks follow readers from their seeds instead of scanning every node, so a
+    match costs what its region reaches, not the graph's size (16 layers: 17 matches per plan,
+    each once scanning the graph five times)."""
+
+    def __init__(self, graph: Graph, rules):
+        self.rules = rules
+        self.position = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.readers: dict[int, list[tuple[Node, int]]] = {}
+        for n in graph.nodes:
+            for i, v in enumerate(n.reads()):
+                self.readers.setdefault(id(v), []).append((n, i))
+        self.tangent_ids = self.downstream([v for v in graph.inputs if v.tangent])
+
+    def downstream(self, seeds, until: int | None = None) -> set[int]:
+        """Ids of the values computed from the values `seeds` (seeds included), through nodes
+        at positions up to `until`. Nothing passes through an input read for its shape or type
+        only (TYPE_ONLY)."""
+        out = {id(v) for v in seeds}
+        stack = list(seeds)
+        while stack:
+            v = stack.pop()
+            for n, i in self.readers.get(id(v), ()):
+                if (until is not None and self.position[id(n)] > until) or i in TYPE_ONLY.get(kind_of(self.rules, n), ()):
+                    continue
+                for o in n.outputs:
+                    if id(o) not in out:
+                        out.add(id(o))
+                        stack.append(o)
+        return out
+
+    @classmethod
+    def of(cls, ctx: MatchContext) -> "GraphIndex":
+        if ctx.chunk_index is None:
+            ctx.chunk_index = cls(ctx.graph, ctx.rules)
+        return ctx.chunk_index
+
+
 class _Grower:
     def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False):
         self.match = match
@@ -72,7 +118,8 @@ class _Grower:
         self.ctx = ctx
         self.rules = ctx.rules
         self.graph: Graph = ctx.graph
-        self.position = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        self.index = GraphIndex.of(ctx)
+        self.position = self.index.position
         self.examples = self.graph.dim_examples
         self.meta: dict[int, ChunkMeta] = {}
         self.region: dict[int, Node] = {}
@@ -81,7 +128,7 @@ class _Grower:
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
-        self.tangent_ids = self.downstream({id(v) for v in self.graph.inputs if v.tangent})
+        self.tangent_ids = self.index.tangent_ids
         for name in action.captures:
             v = match.value(name)
             if not isinstance(v, Value):
@@ -101,18 +148,8 @@ class _Grower:
     def large(self, v: Value) -> bool:
         return v.nbytes is not None and self._bytes(v) >= self.threshold
 
-    def downstream(self, seeds: set[int]) -> set[int]:
-        """Ids of the values computed from the values `seeds` names (seeds included). Nothing
-        passes through an input read for its shape or type only (TYPE_ONLY)."""
-        out = set(seeds)
-        for n in self.graph.nodes:
-            skip = TYPE_ONLY.get(self.kind_or_none(n), ())
-            if any(id(v) in out for i, v in enumerate(n.reads()) if i not in skip):
-                out.update(id(o) for o in n.outputs)
-        return out
-
     def kind(self, node: Node) -> str:
-        kind = self.rules.chunkable.get(node.op) or self.rules.chunkable.get(node.native_op or "")
+        kind = kind_of(self.rules, node)
         if kind is None:
             raise Refused(f"{node.op} {node.name} is not declared chunkable (add it to a "
                           f"`chunkable KIND` line)")
@@ -267,8 +304,7 @@ class _Grower:
         first = over[0]
         self.size = first.shape[norm_dim(action.dim, rank_of(first))]
         self.include(root)
-        start = self.position[id(root)]
-        for node in self.graph.nodes[start + 1:]:
+        for node in self.readers_after(self.position[id(root)]):
             if id(node) in self.region:
                 continue
             reads = [v for v in node.present_inputs() if self.in_region(v) and self.meta[id(v)].dim is not None]
@@ -302,13 +338,42 @@ class _Grower:
         return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
                            [n for n in nodes if id(n) in self.elided], phases, normalizer)
 
+    def readers_after(self, start: int):
+        """In schedule order, the nodes after position `start` that read a region value, the
+        region growing as the caller includes them: what a scan of every node after `start`
+        would find reading one (a node before the scan's place is never visited again)."""
+        import heapq
+
+        heap: list[tuple[int, int]] = []
+        nodes: dict[int, Node] = {}
+        queued: set[int] = set()
+        done = 0
+        at = start
+        while True:
+            members = list(self.region.values())
+            for n in members[done:]:
+                for o in n.outputs:
+                    for reader, _ in self.index.readers.get(id(o), ()):
+                        pos = self.position[id(reader)]
+                        if pos > at and id(reader) not in queued:
+                            queued.add(id(reader))
+                            nodes[pos] = reader
+                            heapq.heappush(heap, (pos, id(reader)))
+            done = len(members)
+            if not heap:
+                return
+            at, _ = heapq.heappop(heap)
+            yield nodes.pop(at)
+
     def close_cycles(self) -> list[Value]:
         """Pull in every input computed from the region's own values (a small value between
         two region nodes, like the log of the softmax's sum), so the region is one step.
         An input computed from them in the backward part is the gradient of the region's
         output: the region runs in two phases, and those inputs are returned."""
         while True:
-            below = self.downstream({id(o) for n in self.region.values() for o in n.outputs})
+            produced = [v.producer for v in self.inputs.values() if v.producer is not None]
+            below = self.index.downstream([o for n in self.region.values() for o in n.outputs],
+                                          until=max((self.position[id(p)] for p in produced), default=-1))
             cyclic, late = [], []
             for v in self.inputs.values():
                 if id(v) in below:
@@ -345,8 +410,8 @@ class _Grower:
         # other way (a loss beside the region's own output: z-loss reads logsumexp(logits) and
         # cross-entropy's gradient reads the tangent directly). Left in the forward phase, such a
         # node would make the forward outputs wait for the gradient.
-        tangent_inputs = {id(v) for v in self.inputs.values() if id(v) in self.tangent_ids}
-        after = self.downstream({id(v) for v in late} | tangent_inputs)
+        tangent_inputs = [v for v in self.inputs.values() if id(v) in self.tangent_ids]
+        after = self.index.downstream([*late, *tangent_inputs], until=max(self.position[id(n)] for n in nodes))
         backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
         forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
         backward_ids = {id(n) for n in backward}
