@@ -135,6 +135,8 @@ def brute_force(spec) -> tuple[float | None, float]:
                 held = {}
                 for l in mine:
                     held[chunk_of[l] // p] = held.get(chunk_of[l] // p, 0) + spec.layers[l].options[options[l]].activation
+                    if l == n - 1 or chunk_of[l + 1] != chunk_of[l]:      # the stage keeps its output
+                        held[chunk_of[l] // p] += spec.layers[l].output
                 static = sum(spec.layers[l].weights + spec.layers[l].optimizer for l in mine)
                 workspace = max((spec.layers[l].options[options[l]].workspace for l in mine), default=0)
                 memory = static + workspace + max(sum(m[j] * held.get(j, 0) for j in range(len(m)))
@@ -151,7 +153,7 @@ def _layer(draw) -> dict:
     halves = st.integers(0, 8).map(lambda v: v / 2)
     layer = {"forward": draw(st.integers(1, 3)), "backward": draw(st.integers(1, 4)),
              "activation": draw(st.integers(1, 8).map(lambda v: v / 2)), "weights": draw(halves),
-             "workspace": draw(st.sampled_from([0, 0, 0.5, 1]))}
+             "workspace": draw(st.sampled_from([0, 0, 0.5, 1])), "output": draw(st.sampled_from([0, 0, 0.5, 1]))}
     options = []
     for i in range(draw(st.integers(0, 2))):
         options.append({"name": f"o{i}", "activation": draw(halves), "extra": draw(st.integers(0, 3) | halves)})

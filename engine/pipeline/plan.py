@@ -6,7 +6,8 @@ and time by the spec's figures; the solver (engine.pipeline.program) and the uni
 
 A device's memory at one of its peak moments is its layers' weights and optimizer state, plus,
 for each of its virtual stages, the micro-batches in flight times the bytes its layers hold per
-micro-batch, plus the largest workspace of one of its layers (one runs at a time). Its time per
+micro-batch (and the output of its last layer, which the stage keeps for the backward), plus the
+largest workspace of one of its layers (one runs at a time). Its time per
 micro-batch is its layers' forward, backward and extra time. The slowest device sets the pace.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StagePlan:
     activation: float                        # bytes at its peak moment, workspace included
     limit: float
     time: float
+    single: float = 0.0                      # bytes with one micro-batch in flight on each virtual stage
 
     @property
     def layers(self) -> list[int]:
@@ -113,12 +115,15 @@ def _stages(spec: PipelineSpec, assignment: Assignment) -> tuple[StagePlan, ...]
         local = range(device, spec.chunks, spec.stages)          # its virtual stages
         chunks = tuple(tuple(l for l, (c, _) in enumerate(assignment) if c == chunk) for chunk in local)
         mine = [(l, o) for l, (c, o) in enumerate(assignment) if c % spec.stages == device]
-        held = [sum(spec.layers[l].options[assignment[l][1]].activation for l in chunk) for chunk in chunks]
+        # Per micro-batch in flight: its layers' held bytes, and the output of its last layer.
+        held = [sum(spec.layers[l].options[assignment[l][1]].activation for l in chunk)
+                + spec.layers[chunk[-1]].output for chunk in chunks]
         peak, moment = max((sum(n * h for n, h in zip(m, held)), m) for m in moments[device])
         workspace = max((spec.layers[l].options[o].workspace for l, o in mine), default=0.0)
         stages.append(StagePlan(device, chunks, {l: spec.layers[l].options[o].name for l, o in mine}, moment,
                                 sum(spec.layers[l].static for l, _ in mine), peak + workspace,
-                                spec.memory[device], sum(spec.layers[l].time(o) for l, o in mine)))
+                                spec.memory[device], sum(spec.layers[l].time(o) for l, o in mine),
+                                sum(held) + workspace))
     return tuple(stages)
 
 

@@ -49,22 +49,38 @@ def _gb(value: float) -> str:
 
 
 class _Program:
-    """The program's variables and rows for one spec."""
+    """The program's columns and rows for one spec. Columns: x[l, c, o] (binary), then per device
+    its largest workspace w_d (where a layer has one), then e[l, c] (layer l ends virtual stage c,
+    where a layer has an output to hold), then the objective's z. Memory rows are in GB."""
 
     def __init__(self, spec: PipelineSpec):
         if not spec.layers:
             raise ConfigError(f"{spec.source}: the layers' figures are not known yet (measure the model first)")
         self.spec = spec
         n, k = len(spec.layers), spec.chunks
-        self.index: list[tuple[int, int, int]] = []      # (layer, virtual stage, option) per column
+        self.index: list[tuple[int, int, int]] = []      # (layer, virtual stage, option) per x column
         for l, layer in enumerate(spec.layers):
-            for c in range(max(0, l - (n - k)), min(l, k - 1) + 1):
+            for c in self.places(l):
                 for o in range(len(layer.options)):
                     self.index.append((l, c, o))
         self.columns = len(self.index)
         self.moments = in_flight(spec)
         self.workspaces = sorted({(l, o) for l, _, o in self.index if spec.layers[l].options[o].workspace > 0})
-        self.spaced = bool(self.workspaces)
+        self.spaced = spec.stages if self.workspaces else 0
+        self.ends = [(l, c) for l in range(n) if spec.layers[l].output > 0 for c in self.places(l)]
+        self.end_column = {key: self.columns + self.spaced + i for i, key in enumerate(self.ends)}
+        self.width = self.columns + self.spaced + len(self.ends) + 1
+
+    def places(self, l: int) -> range:
+        """The virtual stages layer l can run in, every stage keeping at least one layer."""
+        n, k = len(self.spec.layers), self.spec.chunks
+        return range(max(0, l - (n - k)), min(l, k - 1) + 1)
+
+    def integral(self) -> np.ndarray:
+        return np.concatenate([np.ones(self.columns), np.zeros(self.width - self.columns)])
+
+    def _rows(self, count: int) -> np.ndarray:
+        return np.zeros((count, self.width))
 
     def layer_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each layer in one place, and the stages contiguous. With z(l, c) = 1 where layer l runs
@@ -73,9 +89,9 @@ class _Program:
         those of a network, whose relaxation is far tighter than one row per neighbouring pair on
         the stage index (2.6 s -> 1.2 s on seed 004's spec with two options)."""
         n, k = len(self.spec.layers), self.spec.chunks
-        one = np.zeros((n, self.columns))
-        back = np.zeros(((n - 1) * k, self.columns))
-        skip = np.zeros(((n - 1) * (k - 1), self.columns))
+        one = self._rows(n)
+        back = self._rows((n - 1) * k)
+        skip = self._rows((n - 1) * (k - 1))
         for j, (l, c, _) in enumerate(self.index):
             one[l, j] = 1
             for up in range(c, k):              # x[l, c, o] counts in z(l, up) for up >= c
@@ -91,7 +107,7 @@ class _Program:
         # their option indices are made non-increasing there (o(l) - o(l + 1) >= -(options - 1)
         # * (k(l + 1) - k(l)), k the stage index; a stage boundary between them lifts it).
         same = [l for l in range(n - 1) if self.spec.layers[l] == self.spec.layers[l + 1]]
-        order = np.zeros((len(same), self.columns))
+        order = self._rows(len(same))
         for i, l in enumerate(same):
             spread = len(self.spec.layers[l].options) - 1
             for j, (jl, c, o) in enumerate(self.index):
@@ -99,50 +115,64 @@ class _Program:
                     order[i, j] += o - spread * c
                 elif jl == l + 1:
                     order[i, j] += -o + spread * c
-        rows = np.vstack([one, back, skip, order])
-        lower = np.concatenate([np.ones(n), np.full(len(back), -np.inf), np.zeros(len(skip)), np.zeros(len(same))])
+        # e(l, c) >= y(l, c) - y(l + 1, c): layer l is the last of c (its output is held per
+        # micro-batch in flight there). Memory rows only ever want e small, so >= is enough.
+        ends = self._rows(len(self.ends))
+        for i, (l, c) in enumerate(self.ends):
+            ends[i, self.end_column[l, c]] = 1
+            for j, (jl, jc, _) in enumerate(self.index):
+                if jc == c and jl == l:
+                    ends[i, j] -= 1
+                elif jc == c and jl == l + 1:
+                    ends[i, j] += 1
+        rows = np.vstack([one, back, skip, order, ends])
+        lower = np.concatenate([np.ones(n), np.full(len(back), -np.inf), np.zeros(len(skip)), np.zeros(len(same)),
+                                np.zeros(len(ends))])
         upper = np.concatenate([np.ones(n), np.zeros(len(back)), np.full(len(skip), np.inf),
-                                np.full(len(same), np.inf)])
+                                np.full(len(same), np.inf), np.full(len(ends), np.inf)])
         return rows, lower, upper
 
-    def memory_rows(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Per device and moment: bytes on the x columns, 1 on the device's workspace column (if
-        any), and the device of each row."""
+    def memory_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per device and peak moment, its bytes (in GB), and its limit."""
         spec = self.spec
-        rows, devices = [], []
+        rows, limits = [], []
         for device in range(spec.stages):
             for moment in self.moments[device]:
-                row = np.zeros(self.columns + (spec.stages if self.spaced else 0))
+                row = np.zeros(self.width)
                 for j, (l, c, o) in enumerate(self.index):
                     if c % spec.stages == device:
                         layer = spec.layers[l]
                         row[j] = moment[c // spec.stages] * layer.options[o].activation + layer.static
+                for (l, c), column in self.end_column.items():
+                    if c % spec.stages == device:
+                        row[column] = moment[c // spec.stages] * spec.layers[l].output
                 if self.spaced:
-                    row[self.columns + device] = GB           # w_d is in GB, as the rows
-                rows.append(row)
-                devices.append(device)
-        matrix = np.array(rows) / GB                      # GB keeps the coefficients near 1
-        return matrix, np.array([spec.memory[d] / GB for d in devices]), devices
+                    row[self.columns + device] = GB           # w_d is in GB already
+                rows.append(row / GB)
+                limits.append(spec.memory[device] / GB)
+        return np.array(rows), np.array(limits)
 
     def workspace_rows(self) -> np.ndarray:
         """w_d >= workspace(l, o) * (l runs with o on d), for the layers that have one."""
         spec = self.spec
         rows = []
-        for device in range(spec.stages):
+        for device in range(self.spaced):
             for l, o in self.workspaces:
-                row = np.zeros(self.columns + spec.stages)
+                row = np.zeros(self.width)
                 for j, (jl, c, jo) in enumerate(self.index):
                     if jl == l and jo == o and c % spec.stages == device:
                         row[j] = spec.layers[l].options[o].workspace / GB
                 row[self.columns + device] = -1
                 rows.append(row)
-        return np.array(rows)
+        return np.array(rows).reshape(-1, self.width)
 
     def time_rows(self) -> np.ndarray:
+        """Each device's time less z."""
         spec = self.spec
-        rows = np.zeros((spec.stages, self.columns))
+        rows = self._rows(spec.stages)
         for j, (l, c, o) in enumerate(self.index):
             rows[c % spec.stages, j] = spec.layers[l].time(o)
+        rows[:, -1] = -1
         return rows
 
     def assignment(self, x: np.ndarray) -> Assignment:
@@ -152,74 +182,67 @@ class _Program:
                 out[l] = (c, o)
         return out
 
-
-def _milp(cost, rows, lower, upper, integral: int, extra: int):
-    """Minimize cost @ v over v = (x binary, `extra` continuous >= 0) subject to the rows."""
-    from scipy.optimize import Bounds, LinearConstraint, milp    # imported when planning
-
-    total = integral + extra
-    matrix = np.vstack([np.pad(r, ((0, 0), (0, total - r.shape[1]))) for r in rows])
-    integrality = np.concatenate([np.ones(integral), np.zeros(extra)])
-    bounds = Bounds(np.zeros(total), np.concatenate([np.ones(integral), np.full(extra, np.inf)]))
-    result = milp(cost, constraints=[LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper))],
-                  integrality=integrality, bounds=bounds, options={"mip_rel_gap": MIP_GAP})
-    return result.x if result.status == 0 and result.x is not None else None
-
-
-def _program(p: _Program, scaled: bool) -> tuple[list, list, list, int]:
-    """Rows, their bounds and the width over columns (x, the workspaces w_d if any, z), z last:
-    the slowest device's time T, each device's time at most T and its memory within its limit;
-    or (`scaled`) the factor s, each device's memory within s times its limit."""
-    spec = p.spec
-    spaced = spec.stages if p.spaced else 0
-    width = p.columns + spaced + 1
-    layer, layer_lo, layer_hi = p.layer_rows()
-    memory, limits, _ = p.memory_rows()
-    if scaled:
-        memory = np.hstack([memory, np.zeros((len(memory), width - memory.shape[1] - 1)), -limits[:, None]])
-        rows, lower, upper = [layer, memory], [layer_lo, np.full(len(memory), -np.inf)], \
-            [layer_hi, np.zeros(len(memory))]
-    else:
-        times = np.hstack([p.time_rows(), np.zeros((spec.stages, spaced)), -np.ones((spec.stages, 1))])
-        rows = [layer, memory, times]
-        lower = [layer_lo, np.full(len(memory), -np.inf), np.full(spec.stages, -np.inf)]
-        upper = [layer_hi, limits * (1 + TOLERANCE / 10), np.zeros(spec.stages)]
-    if spaced:
-        space = p.workspace_rows()
+    def program(self, scaled: bool) -> tuple[list, list, list]:
+        """Rows and their bounds: z is the slowest device's time, each device's time at most z and
+        its memory within its limit; or (`scaled`) z is a factor, each device's memory within z
+        times its limit."""
+        layer, layer_lo, layer_hi = self.layer_rows()
+        memory, limits = self.memory_rows()
+        if scaled:
+            memory[:, -1] = -limits
+            rows, lower, upper = [layer, memory], [layer_lo, np.full(len(memory), -np.inf)], \
+                [layer_hi, np.zeros(len(memory))]
+        else:
+            rows = [layer, memory, self.time_rows()]
+            lower = [layer_lo, np.full(len(memory), -np.inf), np.full(self.spec.stages, -np.inf)]
+            upper = [layer_hi, limits * (1 + TOLERANCE / 10), np.zeros(self.spec.stages)]
+        space = self.workspace_rows()
         rows.append(space)
         lower.append(np.full(len(space), -np.inf))
         upper.append(np.zeros(len(space)))
-    return rows, lower, upper, width
+        return rows, lower, upper
+
+    def minimize(self, cost: np.ndarray, rows: list, lower: list, upper: list) -> np.ndarray | None:
+        return _milp(cost, np.vstack(rows), np.concatenate(lower), np.concatenate(upper), self.integral())
+
+
+def _milp(cost, matrix, lower, upper, integral: np.ndarray) -> np.ndarray | None:
+    """Minimize cost @ v over v in [0, 1] where integral (binary), else >= 0, subject to the rows."""
+    from scipy.optimize import Bounds, LinearConstraint, milp    # imported when planning
+
+    bounds = Bounds(np.zeros(len(cost)), np.where(integral > 0, 1.0, np.inf))
+    result = milp(cost, constraints=[LinearConstraint(matrix, lower, upper)], integrality=integral, bounds=bounds,
+                  options={"mip_rel_gap": MIP_GAP})
+    return result.x if result.status == 0 and result.x is not None else None
 
 
 def solve(spec: PipelineSpec) -> PipelinePlan:
     """The partition and options with the fastest slowest device that fit every limit;
     InfeasibleError (with the smallest memory that fits) when none does."""
     p = _Program(spec)
-    rows, lower, upper, width = _program(p, scaled=False)
-    cost = np.zeros(width)
+    rows, lower, upper = p.program(scaled=False)
+    cost = np.zeros(p.width)
     cost[-1] = 1
-    x = _milp(cost, rows, lower, upper, p.columns, width - p.columns)
+    x = p.minimize(cost, rows, lower, upper)
     if x is None:
         raise InfeasibleError(spec, smallest_scale(p))
     slowest = x[-1]
     # Second solve: the slowest device held, the least extra time in total.
-    cost = np.zeros(width)
+    cost = np.zeros(p.width)
     for j, (l, _, o) in enumerate(p.index):
         cost[j] = spec.layers[l].options[o].extra
-    held = np.zeros((1, width))
+    held = np.zeros((1, p.width))
     held[0, -1] = 1
-    second = _milp(cost, rows + [held], lower + [np.array([-np.inf])],
-                   upper + [np.array([slowest + 1e-7 * max(1.0, abs(slowest))])], p.columns, width - p.columns)
+    second = p.minimize(cost, rows + [held], lower + [np.array([-np.inf])],
+                        upper + [np.array([slowest + 1e-7 * max(1.0, abs(slowest))])])
     return evaluate(spec, p.assignment(second if second is not None else x))
 
 
 def smallest_scale(p: _Program) -> float:
     """The least factor s for which every device's memory fits s times its limit."""
-    rows, lower, upper, width = _program(p, scaled=True)
-    cost = np.zeros(width)
+    cost = np.zeros(p.width)
     cost[-1] = 1
-    x = _milp(cost, rows, lower, upper, p.columns, width - p.columns)
+    x = p.minimize(cost, *p.program(scaled=True))
     if x is None:           # cannot happen with every layer placeable; say so rather than guess
         raise RematError(f"{p.spec.source}: the solver found no partition at any memory")
     return float(x[-1])
@@ -242,8 +265,8 @@ def cheapest_saving(layers: list[Layer], ratio: float) -> list[int]:
         one[l, j] = 1
         saving[0, j] = (layers[l].options[0].activation - option.activation) / most
         cost[j] = option.extra + 1e-9 * o          # ties go to the earlier option
-    x = _milp(cost, [one, saving], [np.ones(len(layers)), np.array([ratio - 1e-9])],
-              [np.ones(len(layers)), np.array([np.inf])], len(index), 0)
+    x = _milp(cost, np.vstack([one, saving]), np.concatenate([np.ones(len(layers)), [ratio - 1e-9]]),
+              np.concatenate([np.ones(len(layers)), [np.inf]]), np.ones(len(index)))
     chosen = [0] * len(layers)
     for j, (l, o) in enumerate(index):
         if x is not None and x[j] > 0.5:

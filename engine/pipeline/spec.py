@@ -6,7 +6,9 @@
 
 Memory is a number of GB (10**9 bytes) or a string with a unit (`"300MiB"`); time is in any one
 unit (the seed's: one layer's forward). A layer's own figures are its unchecked option; its
-`options` add to that. `layers` is one object (with a `count`) or a list of them, in model order.
+`options` add to that. Optional per layer: `weights` (parameters and gradients), `optimizer`
+(its state), `workspace` (what its forward and backward need beyond the held bytes while they
+run), `output` (what a stage ending with it keeps per micro-batch in flight: its output). `layers` is one object (with a `count`) or a list of them, in model order.
 In place of `layers`, `model` names a model to measure the figures from (backends.pipeline): the
 engine only checks its shape here.
 
@@ -50,6 +52,7 @@ class Layer:
     weights: float = 0.0      # bytes: parameters and their gradients
     optimizer: float = 0.0    # bytes: optimizer state
     name: str = ""
+    output: float = 0.0       # bytes a stage ending with this layer holds per micro-batch in flight
 
     @property
     def static(self) -> float:
@@ -103,7 +106,8 @@ def load_spec(path: str | Path) -> PipelineSpec:
 
 
 _TOP = ("stages", "microbatches", "schedule", "virtual_stages", "memory_per_stage", "layers", "model")
-_LAYER = ("count", "name", "forward", "backward", "activation", "weights", "optimizer", "workspace", "options")
+_LAYER = ("count", "name", "forward", "backward", "activation", "weights", "optimizer", "workspace", "output",
+          "options")
 _OPTION = ("name", "activation", "extra", "workspace")
 _MODEL = ("name", "tiers", "device", "optimizer")
 OPTIMIZERS = {"sgd": 0, "momentum": 1, "adam": 2}    # copies of the weights the optimizer keeps
@@ -274,7 +278,8 @@ class _Where:
             options.append(Option(option_name, self.memory(o, "activation", where), self.number(o, "extra", where),
                                   self.memory(o, "workspace", where, workspace)))
         return Layer(self.number(obj, "forward", path), self.number(obj, "backward", path), tuple(options),
-                     self.memory(obj, "weights", path, 0.0), self.memory(obj, "optimizer", path, 0.0), name)
+                     self.memory(obj, "weights", path, 0.0), self.memory(obj, "optimizer", path, 0.0), name,
+                     self.memory(obj, "output", path, 0.0))
 
     def model(self, value: object) -> ModelSource:
         if not isinstance(value, dict):
