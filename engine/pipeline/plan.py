@@ -78,6 +78,20 @@ class PipelinePlan:
     def fits(self) -> bool:
         return all(s.fits for s in self.stages)
 
+    def assignment(self) -> "Assignment":
+        """Each layer's virtual stage and option index, as `evaluate` takes them."""
+        out: Assignment = [(0, 0)] * len(self.spec.layers)
+        for s in self.stages:
+            for local, chunk in enumerate(s.chunks):
+                for layer in chunk:
+                    names = [o.name for o in self.spec.layers[layer].options]
+                    out[layer] = (s.device + local * self.spec.stages, names.index(s.options[layer]))
+        return out
+
+    def unchecked(self) -> "PipelinePlan":
+        """The same partition with every layer run as is."""
+        return evaluate(self.spec, [(c, 0) for c, _ in self.assignment()], self.unchecked_time, "unchecked")
+
     def boundaries(self) -> list[int]:
         """The first layer of each virtual stage, in model order."""
         chunks = sorted((chunk for s in self.stages for chunk in s.chunks), key=lambda c: c[0])

@@ -40,6 +40,7 @@ class Option:
     activation: float       # bytes
     extra: float = 0.0      # time
     workspace: float = 0.0  # bytes
+    plans: tuple[tuple[str, int, int], ...] = ()    # measured options: (plan key, type, occurrences) it applies
 
 
 @dataclass(frozen=True)
