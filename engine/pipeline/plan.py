@@ -31,7 +31,6 @@ class StagePlan:
     activation: float                        # bytes at its peak moment, workspace included
     limit: float
     time: float
-    single: float = 0.0                      # bytes with one micro-batch in flight on each virtual stage
 
     @property
     def layers(self) -> list[int]:
@@ -136,8 +135,7 @@ def _stages(spec: PipelineSpec, assignment: Assignment) -> tuple[StagePlan, ...]
         workspace = max((spec.layers[l].options[o].workspace for l, o in mine), default=0.0)
         stages.append(StagePlan(device, chunks, {l: spec.layers[l].options[o].name for l, o in mine}, moment,
                                 sum(spec.layers[l].static for l, _ in mine), peak + workspace,
-                                spec.memory[device], sum(spec.layers[l].time(o) for l, o in mine),
-                                sum(held) + workspace))
+                                spec.memory[device], sum(spec.layers[l].time(o) for l, o in mine)))
     return tuple(stages)
 
 
