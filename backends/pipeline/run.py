@@ -75,7 +75,7 @@ class RankResult:
     grad_error: float = 0.0                # largest relative error of its gradients
     estimate: float | None = None
     loss: float | None = None
-    notes: list[str] = field(default_factory=list)
+    saved: list[list] = field(default_factory=list)   # [shape, dtype] of what one forward keeps for backward
 
 
 def compile_stage(stage, run: PipelineRun, index: int, torch):
@@ -93,10 +93,26 @@ def compile_stage(stage, run: PipelineRun, index: int, torch):
     import backends.fx.compile as fx_compile
 
     config = run.configs[index] if run.configs else None
+    device = "cpu" if run.device == "cpu" else "cuda"
     if config == "":            # no plan for this stage: the budget of its own estimated peak applies none
-        return torch.compile(stage, backend=fx_compile.backend(tiers=run.tiers, budget=1.0))
-    return torch.compile(stage, backend=fx_compile.backend(
-        tiers=run.tiers, config=config, ratio=run.ratio, device="cpu" if run.device == "cpu" else "cuda"))
+        backend = fx_compile.backend(tiers=run.tiers, budget=1.0, device=device)
+    else:
+        backend = fx_compile.backend(tiers=run.tiers, config=config, ratio=run.ratio, device=device)
+    return torch.compile(stage, backend=backend)
+
+
+def saved_by_forward(compiled, example, torch) -> list[list]:
+    """What one forward of the compiled stage keeps for its backward, seen by autograd's
+    saved-tensor hooks (a plan in effect shows here whether or not Inductor's cache served it)."""
+    saved: list[list] = []
+
+    def pack(t):
+        saved.append([list(t.shape), str(t.dtype).removeprefix("torch.")])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(example)
+    return saved
 
 
 def run_rank(run: PipelineRun, rank: int, world: int) -> RankResult:
@@ -185,6 +201,7 @@ def run_rank(run: PipelineRun, rank: int, world: int) -> RankResult:
     result = RankResult(rank, list(range(stage.first, stage.end)), rest, peak, static, seconds,
                         max(0.0, warm[0] - seconds) if warm else 0.0, grad_error=grad_error,
                         estimate=run.estimates[rank] if run.estimates else None)
+    result.saved = saved_by_forward(compiled, example_in, torch)
     if loss is not None:
         result.loss = float(loss)
         result.loss_error = relative_error(loss, ref_loss.detach())
