@@ -11,13 +11,14 @@ the even, unchecked split exceeds on rank 0. Configurations, each a `torchrun` o
 - uniform, ratio R (--ratio): the even split with the checkpointing ratio R per stage, as remat
   budgets (seed 004's first feature, the planner's baseline).
 
-Each configuration runs twice (each with a time limit): once timed with the default allocator,
+Each configuration runs twice (each with a time limit): once timed with the default allocator
+(the median of --steps steps; with --rounds R, the median over R such processes, interleaved),
 once for the peaks with MALLOC_MMAP_THRESHOLD_=65536 (the README's VmHWM method: a process's peak
 above its resting VmRSS during one step after two warm-up steps), as bench/torch_step.py does. Loss
 and gradients are checked against the single-process step on every rank. Prints a table per
 configuration, then the checks last.
 
-    python bench/pipeline.py [--limit 80MiB] [--ratio 0.5]
+    python bench/pipeline.py [--limit 60MiB] [--ratio 0.5] [--rounds 1] [--steps 5]
 """
 from __future__ import annotations
 
@@ -85,10 +86,25 @@ def measure(run: PipelineRun, name: str, args) -> list | None:
     return peaked
 
 
+def retime(results: dict, runs: dict, args) -> None:
+    """--rounds R: R - 1 more timed processes per configuration, interleaved (this machine's speed
+    drifts between processes); each rank's step time becomes the median over the rounds."""
+    times = {name: [[r.seconds] for r in rows] for name, rows in results.items()}
+    for _ in range(args.rounds - 1):
+        for name in results:
+            again = launch(runs[name], name.replace(", ", "-").replace(" ", "-"), args, peaks=False)
+            if again is not None:
+                for kept, row in zip(times[name], again):
+                    kept.append(row.seconds)
+    for name, rows in results.items():
+        for row, kept in zip(rows, times[name]):
+            row.seconds = sorted(kept)[len(kept) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for flag, default in (("vocab", 256), ("d-model", 128), ("heads", 4), ("seq", 256), ("batch", 4),
-                          ("microbatches", 4), ("timeout", 600), ("port", 29531)):
+                          ("microbatches", 4), ("timeout", 600), ("port", 29531), ("steps", 5), ("rounds", 1)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--limit", default="60MiB", help="memory per rank (parameters, gradients, activations)")
     ap.add_argument("--ratio", type=float, default=0.5, help="the uniform ratio baseline's R")
@@ -109,13 +125,16 @@ def main() -> None:
                                             estimates=()),
         f"uniform, ratio {args.ratio:g}": pipeline_run(baselines[f"uniform, ratio {args.ratio:g}"]),
     }
+    runs = {name: replace(run, steps=args.steps) for name, run in runs.items()}
     results = {}
     for name, run in runs.items():
         measured = measure(run, name.replace(", ", "-").replace(" ", "-"), args)
         if measured is not None:
             results[name] = measured
-            print(f"\n{name} (boundaries {list(run.boundaries)}):")
-            print(table(run, measured))
+    retime(results, runs, args)
+    for name, measured in results.items():
+        print(f"\n{name} (boundaries {list(runs[name].boundaries)}):")
+        print(table(runs[name], measured))
     limit = runs["planned"].limit
     print()
     checks = []

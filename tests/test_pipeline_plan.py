@@ -291,3 +291,15 @@ def test_per_layer_figures_memory_units_and_python_use():
     assert "MiB" in table(result).splitlines()[0]
     assert "every stage within its limit" in describe(result)
     assert result.to_json()["stages"][0]["limit"] == pytest.approx(600 * 2**20 / GB)
+
+
+def test_the_planner_imports_neither_torch_nor_onnx():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, engine.pipeline; engine.pipeline.plan; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'onnx', 'onnxruntime'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip() == "[]"
