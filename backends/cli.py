@@ -285,8 +285,10 @@ def cmd_pipeline_plan(args) -> int:
     ratio = None if args.ratio is None else parse_ratio(args.ratio).ratio
     spec = load_spec(args.spec)
     if spec.model is not None:
-        from backends.pipeline.measure import measured_spec
-
+        try:
+            from backends.pipeline.measure import measured_spec
+        except ImportError as exc:
+            raise RematError(f"{args.spec}: model: measuring a model needs torch ({exc})") from None
         spec = measured_spec(spec)
     plan = solve(spec)
     baseline = None if ratio is None else uniform(spec, ratio)

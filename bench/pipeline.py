@@ -18,7 +18,7 @@ above its resting VmRSS during one step after two warm-up steps), as bench/torch
 and gradients are checked against the single-process step on every rank. Prints a table per
 configuration, then the checks last.
 
-    python bench/pipeline.py [--limit 60MiB] [--ratio 0.5] [--rounds 1] [--steps 5]
+    python bench/pipeline.py [--limit 90MiB] [--ratio 0.5] [--rounds 1] [--steps 5]
 """
 from __future__ import annotations
 
@@ -103,10 +103,10 @@ def retime(results: dict, runs: dict, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for flag, default in (("vocab", 256), ("d-model", 128), ("heads", 4), ("seq", 256), ("batch", 4),
+    for flag, default in (("vocab", 256), ("d-model", 384), ("heads", 4), ("seq", 128), ("batch", 4),
                           ("microbatches", 4), ("timeout", 600), ("port", 29531), ("steps", 5), ("rounds", 1)):
         ap.add_argument(f"--{flag}", type=int, default=default)
-    ap.add_argument("--limit", default="60MiB", help="memory per rank (parameters, gradients, activations)")
+    ap.add_argument("--limit", default="90MiB", help="memory per rank (parameters, gradients, activations)")
     ap.add_argument("--ratio", type=float, default=0.5, help="the uniform ratio baseline's R")
     args = ap.parse_args()
 

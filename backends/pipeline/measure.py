@@ -27,7 +27,7 @@ import math
 from collections import Counter
 from dataclasses import fields, replace
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, RematError
 from engine.pipeline.spec import OPTIMIZERS, Layer, ModelSource, Option, PipelineSpec, check_layer_count
 
 PARETO_STEPS = 6          # amounts swept per layer (the options besides `none`)
@@ -62,8 +62,6 @@ def gpt_config(source: ModelSource, where: str = "spec"):
 
 
 def measure_gpt(cfg, source: ModelSource) -> list[Layer]:
-    import torch
-
     from backends.models import gpt
 
     from .stages import GPTStage
@@ -72,14 +70,13 @@ def measure_gpt(cfg, source: ModelSource) -> list[Layer]:
     whole = GPTStage(model, 0, cfg.layers, is_first=True, is_last=True)
     idx, _ = model.example_inputs()
     figures = joint_figures(whole, (idx,), source)
-    params = {name: p for name, p in whole.named_parameters()}
     copies = 2 + OPTIMIZERS[source.optimizer]          # the parameter, its gradient, the optimizer's
     weights = [0.0] * cfg.layers
-    for name, p in params.items():
+    for name, p in whole.named_parameters():
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else \
             0 if name.split(".")[0] in ("tok", "pos") else cfg.layers - 1
         weights[layer] += p.numel() * p.element_size()
-    element = torch.finfo(torch.float32).bits // 8
+    element = model.head.weight.element_size()          # the activations' dtype is the weights'
     block_output = cfg.batch * cfg.seq * cfg.d_model * element
     logits = cfg.batch * cfg.seq * cfg.vocab * element
     layers = []
@@ -120,6 +117,11 @@ def joint_figures(module, example_inputs: tuple, source: ModelSource) -> list[La
     try:
         out = torch.compile(module, backend=backend, fullgraph=True)(*example_inputs)
         out.backward(torch.ones_like(out))
+    except Exception as err:
+        inner = getattr(err, "inner_exception", None) or err.__cause__
+        if isinstance(inner, RematError):      # a clear error of remat's, raised inside the compile
+            raise inner from None
+        raise
     finally:
         torch._dynamo.reset()
         for p in module.parameters():
@@ -132,12 +134,11 @@ def joint_figures(module, example_inputs: tuple, source: ModelSource) -> list[La
 def read_joint(joint, source: ModelSource) -> list[Layer]:
     from backends.device import profile_for
     from backends.fx.compile import FxBuilder
-    from backends.fx.peak import partition, step_graph, step_peak
     from dsl.loader import load_rules
     from engine.analysis import analyze
     from engine.budget import find_layers, options_for
     from engine.budget.effects import memory_curve
-    from engine.driver import plan_all
+    from engine.driver import build_selection, plan_all
 
     rules = load_rules()
     device = profile_for(source.device)
@@ -149,17 +150,11 @@ def read_joint(joint, source: ModelSource) -> list[Layer]:
     found, how = find_layers(graph, analysis)
     if how != "module paths" or len(found) < 2:
         raise ConfigError("the model's layers were not found from its module paths (blocks.0, blocks.1, ...)")
-    owner = _layer_of_nodes(graph, analysis, found, joint.graph)
+    owner = _layer_of_nodes(graph, analysis, found)
     count = len(found)
 
     # Held bytes: the partitioner's saved tensors, one per buffer.
-    forward, backward, own = partition(joint.graph, joint)
-    held = [0.0] * count
-    for base, size in _saved_buffers(forward, own).items():
-        held[_owner(base, owner, count)] += size
-    total_peak = step_peak(step_graph(forward, backward, own))
-    output = next(n for n in forward.graph.nodes if n.op == "output").args[0][0]
-    workspace = max(0.0, total_peak - sum(held) - _nbytes(output))
+    held, workspace = _held(joint.graph, joint, owner, count)
 
     # Times, by the cost model.
     from engine.budget.cost import work
@@ -196,21 +191,49 @@ def read_joint(joint, source: ModelSource) -> list[Layer]:
         saving = -sum(delta for first, last, delta in option.effect if first <= end <= last)
         if layer is not None and saving > 0:
             by_layer.setdefault(layer, []).append((option, saving))
+    points = [_pareto(by_layer.get(i, []), conflicts) for i in range(count)]
+    # What an option holds is measured, not added up: the k-th point of every layer is applied
+    # to the graph at once (engine.driver.build_selection, as a budget's choice is built) and
+    # partitioned as Inductor will, and each layer's saved tensors are what it holds with its
+    # k-th option. (The planner's effect model alone credited some options with more than the
+    # layer held.) What an option stops holding is made again in the layer's backward: there, for
+    # a while, it is workspace.
+    measured = []
+    for k in range(max((len(p) for p in points), default=0)):
+        selection = {site: slices for p in points if k < len(p) for site, slices in p[k][0]}
+        build_selection(builder, rules, selection, source.tiers, strict=True)
+        measured.append(_held(builder.work.graph, builder.work, owner, count)[0])
     layers = []
     for i in range(count):
-        points = _pareto(by_layer.get(i, []), conflicts)
         unchecked = Option("none", held[i], 0.0, workspace)
-        # What an option stops holding is made again in the layer's backward: there, for a while,
-        # it is workspace (bench/pipeline.py: rank 0 with two layers' GELU and MLP matmul outputs
-        # recomputed measured 72.6 MiB against 73.0 estimated this way).
-        named = _named([(sites, held[i] - min(saved, held[i]), seconds) for sites, saved, seconds in points])
+        candidates = [(keys, measured[k][i], seconds, workspace + held[i] - measured[k][i])
+                      for k, (keys, _, seconds) in enumerate(points[i])]
+        kept, lowest = [], held[i]
+        for keys, holds, seconds, space in sorted(candidates, key=lambda c: c[2]):
+            if holds < lowest:          # cheaper first: keep what holds less than every cheaper one
+                kept.append((keys, holds, seconds, space))
+                lowest = holds
+        names = _named([(keys, holds, seconds) for keys, holds, seconds, _ in kept])
         layers.append(Layer(times[i][0], times[i][1], (unchecked, *(
-            Option(name, act, extra, workspace + held[i] - act, _plans(sites, plan_of))
-            for (name, act, extra), (sites, _, _) in zip(named, points)))))
+            Option(name, holds, seconds, space, _plans(keys, plan_of))
+            for (name, _, _), (keys, holds, seconds, space) in zip(names, kept)))))
     return layers
 
 
-def _layer_of_nodes(graph, analysis, found, joint_graph) -> dict[str, int]:
+def _held(graph, module, owner: dict[str, int], count: int) -> tuple[list[float], float]:
+    """Each layer's saved bytes once the partitioner has split `graph` as Inductor does, and the
+    workspace: the step's peak by the peak model, less those and the forward's output."""
+    from backends.fx.peak import partition, step_graph, step_peak
+
+    forward, backward, own = partition(graph, module)
+    held = [0.0] * count
+    for base, size in _saved_buffers(forward, own).items():
+        held[_owner(base, owner, count)] += size
+    output = next(n for n in forward.graph.nodes if n.op == "output").args[0][0]
+    return held, max(0.0, step_peak(step_graph(forward, backward, own)) - sum(held) - _nbytes(output))
+
+
+def _layer_of_nodes(graph, analysis, found) -> dict[str, int]:
     """fx node name -> layer index, for the forward: the layer's own nodes, and what runs before
     the first layer (the embedding) or after one (the head) goes with the layer before it."""
     owner: dict[str, int] = {}
@@ -287,7 +310,7 @@ def _nbytes(node) -> float:
 
 
 def _pareto(candidates: list, conflicts: list) -> list[tuple[tuple, float, float]]:
-    """(plan sites, bytes saved, extra seconds) of the cheapest plans that save each of a sweep
+    """((site, slices) chosen, bytes saved, extra seconds) of the cheapest plans that save each of a sweep
     of amounts, up to the most the layer's plans can save; dominated points dropped."""
     from engine.budget.solve import Option as SolverOption
     from engine.budget.solve import lowest_peak, solve
@@ -305,9 +328,8 @@ def _pareto(candidates: list, conflicts: list) -> list[tuple[tuple, float, float
         chosen = solve(live, options, int(top - most * k / PARETO_STEPS), mine)
         if not chosen:
             continue
-        key = frozenset(o.key for o in chosen)
-        sites = tuple(sorted((o.key[0] for o in chosen), key=lambda site: (site.rule, site.node)))
-        points[key] = (sites, float(-sum(o.effect[0][2] for o in chosen)), sum(o.seconds for o in chosen))
+        keys = tuple(sorted((o.key for o in chosen), key=lambda key: (key[0].rule, key[0].node)))
+        points[frozenset(keys)] = (keys, float(-sum(o.effect[0][2] for o in chosen)), sum(o.seconds for o in chosen))
     ordered = sorted(points.values(), key=lambda p: (p[2], -p[1]))
     kept, best = [], -math.inf
     for point in ordered:                  # cheaper first: keep those that save more than all cheaper ones
@@ -317,17 +339,17 @@ def _pareto(candidates: list, conflicts: list) -> list[tuple[tuple, float, float
     return kept
 
 
-def _plans(sites: tuple, plan_of: dict) -> tuple[tuple[str, int, int], ...]:
-    """(plan key, type, occurrences) of the plans `sites` belong to."""
-    counts = Counter(plan_of[site.rule, site.node][:2] for site in sites)
+def _plans(keys: tuple, plan_of: dict) -> tuple[tuple[str, int, int], ...]:
+    """(plan key, type, occurrences) of the plans the chosen (site, slices) belong to."""
+    counts = Counter(plan_of[site.rule, site.node][:2] for site, _ in keys)
     return tuple((key, kind, n) for (key, kind), n in sorted(counts.items()))
 
 
 def _named(points: list) -> list[tuple[str, float, float]]:
     """Option names from the rules they apply (`softmax`, `activation x2+norm`), unique."""
     out, used = [], Counter()
-    for sites, activation, extra in points:
-        counts = Counter(site.rule.removeprefix("recompute_").removeprefix("chunk_") for site in sites)
+    for keys, activation, extra in points:
+        counts = Counter(site.rule.removeprefix("recompute_").removeprefix("chunk_") for site, _ in keys)
         name = "+".join(f"{r}" + (f" x{n}" if n > 1 else "") for r, n in sorted(counts.items()))
         used[name] += 1
         out.append((name if used[name] == 1 else f"{name} #{used[name]}", activation, extra))

@@ -40,7 +40,6 @@ class PipelineRun:
     schedule: str = "1f1b"
     mode: str = "remat"                           # eager | compile | checkpoint | remat
     configs: tuple[str, ...] = ()                 # remat: each stage's plans (a config string; "": none)
-    ratio: float | None = None                    # remat: a ratio per stage instead
     tiers: tuple[str, ...] = ()
     estimates: tuple[float, ...] = ()             # the plan's activation bytes per rank, to print beside
     statics: tuple[float, ...] = ()               # the plan's weights and optimizer bytes per rank
@@ -97,7 +96,7 @@ def compile_stage(stage, run: PipelineRun, index: int, torch):
     if config == "":            # no plan for this stage: the budget of its own estimated peak applies none
         backend = fx_compile.backend(tiers=run.tiers, budget=1.0, device=device)
     else:
-        backend = fx_compile.backend(tiers=run.tiers, config=config, ratio=run.ratio, device=device)
+        backend = fx_compile.backend(tiers=run.tiers, config=config, device=device)
     return torch.compile(stage, backend=backend)
 
 
