@@ -10,13 +10,15 @@ passes need its context) the joint graph is read three ways:
   module made it (module paths, engine.budget.layers.find_layers; the embedding goes to the first
   layer, the final norm and head to the last);
 - the workspace: the peak model's single-micro-batch peak (backends.fx.peak) less what is held
-  (and, for an option, plus what it recomputes: that exists again in the layer's backward);
+  (for an option, at least what it recomputes: that exists again in the layer's backward);
 - each layer's options: the budget planner's own (engine.budget.options_for: every recompute and
   chunk plan the rules offer, with its extra time by the cost model), grouped by the layer of the
-  plan's node; an option's saving is what its effect takes off the memory curve where the forward
-  ends. The layer's options are the Pareto points of the same solver over those savings: the
-  cheapest plans that save each of a sweep of amounts (so one option can be "recompute the
-  softmax only").
+  plan's node, each saving what its effect takes off the memory curve where the forward ends. The
+  layer's candidates are the Pareto points of the same solver over those savings: the cheapest
+  plans that save each of a sweep of amounts (so one can be "recompute the softmax only"). What a
+  candidate then holds is measured: the k-th candidate of every layer is built into the graph at
+  once, as a budget's choice is, and partitioned again; a candidate that holds no less than a
+  cheaper one is dropped.
 
 Forward and backward times are the cost model's (engine.budget.cost.work, a device profile) over
 the layer's forward nodes and the backward nodes that autograd made from them (`seq_nr`).
@@ -196,8 +198,10 @@ def read_joint(joint, source: ModelSource) -> list[Layer]:
     # to the graph at once (engine.driver.build_selection, as a budget's choice is built) and
     # partitioned as Inductor will, and each layer's saved tensors are what it holds with its
     # k-th option. (The planner's effect model alone credited some options with more than the
-    # layer held.) What an option stops holding is made again in the layer's backward: there, for
-    # a while, it is workspace.
+    # layer held.) What an option stops holding is made again in the layer's backward, while the
+    # layer's own backward workspace comes and goes: the option's workspace is the larger of the
+    # two. (bench/pipeline.py at d 384: adding them put rank 1's estimate 15% over its measured
+    # peak; at d 128 leaving the recomputed bytes out put rank 0's 5% under.)
     measured = []
     for k in range(max((len(p) for p in points), default=0)):
         selection = {site: slices for p in points if k < len(p) for site, slices in p[k][0]}
@@ -206,7 +210,7 @@ def read_joint(joint, source: ModelSource) -> list[Layer]:
     layers = []
     for i in range(count):
         unchecked = Option("none", held[i], 0.0, workspace)
-        candidates = [(keys, measured[k][i], seconds, workspace + held[i] - measured[k][i])
+        candidates = [(keys, measured[k][i], seconds, max(workspace, held[i] - measured[k][i]))
                       for k, (keys, _, seconds) in enumerate(points[i])]
         kept, lowest = [], held[i]
         for keys, holds, seconds, space in sorted(candidates, key=lambda c: c[2]):
