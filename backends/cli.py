@@ -1,4 +1,4 @@
-"""The `remat` command line: check, analyze, apply, explain, measure, export-gpt, demo."""
+"""The `remat` command line: check, analyze, apply, explain, measure, export-gpt, pipeline-plan, demo."""
 from __future__ import annotations
 
 import argparse
@@ -283,6 +283,35 @@ def cmd_demo(args) -> int:
     return run_demo(workdir)
 
 
+def cmd_pipeline_plan(args) -> int:
+    from engine.budget import parse_ratio
+    from engine.pipeline import describe, load_spec, solve, table, uniform
+
+    ratio = None if args.ratio is None else parse_ratio(args.ratio).ratio
+    spec = load_spec(args.spec)
+    if spec.model is not None:
+        try:
+            from backends.pipeline.measure import measured_spec
+        except ImportError as exc:
+            raise RematError(f"{args.spec}: model: measuring a model needs torch ({exc})") from None
+        spec = measured_spec(spec)
+    plan = solve(spec)
+    baseline = None if ratio is None else uniform(spec, ratio)
+    if args.json:
+        data = plan.to_json()
+        if baseline is not None:
+            data["baseline"] = baseline.to_json()
+        print(json.dumps(data, indent=2))
+        return 0
+    print(table(plan))
+    print(describe(plan))
+    if baseline is not None:
+        print()
+        print(table(baseline))
+        print(describe(baseline))
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an ONNX training graph (forward + backward)")
     p.add_argument("--dim", action="append", metavar="NAME=N",
@@ -366,6 +395,14 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dynamic", action="store_true", help="keep batch and seq symbolic (dim_param)")
     p.set_defaults(fn=cmd_export_gpt)
+    p = sub.add_parser("pipeline-plan", help="pipeline stages' layers and each layer's recompute option, "
+                                             "solved together (seed 004)")
+    p.add_argument("spec", metavar="SPEC.json", help="stages, micro-batches, schedule, memory per device, and "
+                                                     "each layer's figures or a model to measure (docs/pipeline.md)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--ratio", metavar="R", help="also show the uniform baseline: the even split with the "
+                                                "checkpointing ratio R in (0, 1] applied per stage")
+    p.set_defaults(fn=cmd_pipeline_plan)
     p = sub.add_parser("demo", help="export a small GPT step, plan, rewrite, measure, compare")
     p.add_argument("--workdir", default="out/demo")
     p.set_defaults(fn=cmd_demo)

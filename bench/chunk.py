@@ -31,8 +31,8 @@ from pathlib import Path
 os.environ.setdefault("REMAT_STRICT", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_step import proc_status  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from backends.process_peak import peak_bytes, reset_peak  # noqa: E402
 RULE = """use std.ops
 
 rule chunk_head {{
@@ -87,16 +87,14 @@ def child(name: str, args) -> dict:
 
     step()
     step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    rest = proc_status()["VmRSS"]
+    rest = reset_peak(cuda=False)
     times = []
     for _ in range(args.repeats):
         begin = time.perf_counter()
         step()
         times.append(time.perf_counter() - begin)
-    peak = proc_status()["VmHWM"]
-    return {"name": name, "above_rest": (peak - rest) / 1024, "seconds": sorted(times)[len(times) // 2]}
+    peak = peak_bytes(cuda=False)
+    return {"name": name, "above_rest": (peak - rest) / 2**20, "seconds": sorted(times)[len(times) // 2]}
 
 
 def part_a(args) -> None:

@@ -68,17 +68,6 @@ def hand_chunked_loss(chunks: int):
     return ChunkedLinearCrossEntropy.apply
 
 
-def proc_status() -> dict[str, int]:
-    """The kB fields of /proc/self/status."""
-    fields = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        parts = value.split()
-        if parts and parts[0].isdigit():
-            fields[key] = int(parts[0])
-    return fields
-
-
 def child(name: str, args) -> dict:
     import torch
     import torch.utils.checkpoint
@@ -86,6 +75,7 @@ def child(name: str, args) -> dict:
     sys.path.insert(0, str(ROOT))
     import backends.fx as fx_backend
     from backends.models import GPTConfig, gpt
+    from backends.process_peak import peak_bytes, reset_peak
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -149,25 +139,14 @@ def child(name: str, args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         warmup.append(time.perf_counter() - begin)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        start = proc_status()["VmRSS"] * 1024
+    start = reset_peak(device.type == "cuda")
     begin = time.perf_counter()
     loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - begin
     # The peak is read before the gradients are copied out for the comparison with eager.
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        rest = start / 2**20
-    else:
-        peak, rest = proc_status()["VmHWM"] / 1024, start / 2**20
+    peak, rest = peak_bytes(device.type == "cuda") / 2**20, start / 2**20
     grads = [p.grad.detach().clone() for p in model.parameters()]
     clear()
     times = [seconds]

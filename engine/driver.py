@@ -303,6 +303,14 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     return best
 
 
+def build_selection(builder: Builder, rules: RuleSet, selection: dict[Site, int | None],
+                    tiers: Iterable[str] = (), strict: bool | None = None) -> Rewrite:
+    """Exactly the plan sites of `selection` (a chunk region at its slice count, None for a
+    recompute) applied to the builder's graph as given: what a budget's choice builds."""
+    builder.start()
+    return _attempt(builder, rules, None, tuple(tiers), None, resolve_strict(strict), frozenset(), selection)
+
+
 def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None, tiers: tuple[str, ...],
              forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site],
              selection: dict[Site, int | None] | None = None, estimate_peaks: bool = True) -> Rewrite:

@@ -82,7 +82,9 @@ Interval = tuple[int, int, int]     # first step, last step (inclusive), byte de
 
 
 def _uses(value: Value, curve: Curve, analysis: Analysis, views: frozenset[str]) -> tuple[list[int], list[int]]:
-    """Positions of the forward and backward readers of `value` and of its views."""
+    """Positions of the forward and backward readers of `value` and of its views. A view reads
+    nothing: its readers are the uses (AOTAutograd's joint graph aliases a value the backward
+    saves right where it is made, and that alias is no backward read)."""
     forward, backward, stack, seen = [], [], [value], set()
     while stack:
         v = stack.pop()
@@ -92,9 +94,10 @@ def _uses(value: Value, curve: Curve, analysis: Analysis, views: frozenset[str])
         for user in v.users:
             if id(user) not in curve.position:
                 continue
-            (forward if analysis.is_forward(user) else backward).append(curve.position[id(user)])
-            if is_view(user, views) and user.inputs and user.inputs[0] is v:
+            if is_view(user, views) and user.inputs and user.inputs[0] is v and any(o.users for o in user.outputs):
                 stack.extend(user.outputs)
+                continue
+            (forward if analysis.is_forward(user) else backward).append(curve.position[id(user)])
     return forward, backward
 
 
