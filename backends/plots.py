@@ -65,7 +65,10 @@ def _short(key: str, width: int = 48) -> str:
     return key if len(key) <= width else key[:width - 3] + "..."
 
 
-def timeline_plot(panels: list[Panel], path: Path, title: str = "") -> None:
+NODES_RUN = "fraction of the step's nodes run, each curve in the order its own run took"
+
+
+def timeline_plot(panels: list[Panel], path: Path, title: str = "", x_label: str = NODES_RUN) -> None:
     """Memory over the step, one panel per graph (the original above the rewritten), every curve
     against the fraction of its run's nodes done: simulated lines solid, measured lines thin, each
     peak marked, the measured peak (VmHWM) dashed, and the steps each plan made shaded by plan."""
@@ -101,8 +104,7 @@ def timeline_plot(panels: list[Panel], path: Path, title: str = "") -> None:
         ax.set_ylabel("MiB above rest")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    axes[-1, 0].set_xlabel("fraction of the step done: nodes run, in each curve's own run order "
-                           "(torch's profiler line: allocations and frees)")
+    axes[-1, 0].set_xlabel(x_label)
     if keys:
         from matplotlib.patches import Patch
 

@@ -58,10 +58,11 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
     if show:
         print(plan_table(planning))
     if path is not None:
-        from backends.plots import timeline_plot
+        from backends.plots import NODES_RUN, timeline_plot
 
         from .timeline import fx_timeline
 
         panels = fx_timeline(model, example_inputs, ruleset, tiers, measure=measure)
-        timeline_plot(panels, path, "remat: memory over one training step (torch)")
+        label = NODES_RUN + ("; the profiler's line: its allocations and frees" if measure else "")
+        timeline_plot(panels, path, "remat: memory over one training step (torch)", label)
     return planning
