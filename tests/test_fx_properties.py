@@ -30,6 +30,7 @@ class EveryRule(nn.Module):
         self.mix = nn.Linear(d, d)                          # recompute_elementwise (sigmoid(u) * v)
         self.wide = nn.Linear(d, d)                         # compromise_widening_cast
         self.scale = nn.Parameter(torch.ones(d))            # recompute_cast (a gradient through fp16)
+        self.attn = nn.Linear(d, 3 * d)                     # recompute_fused_attention (SDPA's kernel)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -40,6 +41,8 @@ class EveryRule(nn.Module):
         y = y + self.out(F.gelu(self.fc(y)))
         y = y + self.mix(torch.sigmoid(self.gate(y)) * self.value(y))
         y = y + self.wide(y.half().float())
+        q2, k2, v2 = (z.view(b, t, 4, d // 4).transpose(1, 2) for z in self.attn(y).split(d, dim=-1))
+        y = y + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, d)
         narrow = (x * self.scale).half()                     # recompute_cast (kept for n * n's gradient)
         extra = (narrow * narrow).float().mean()
         return F.mse_loss(y, target) + extra

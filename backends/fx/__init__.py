@@ -21,20 +21,42 @@ def backend(rules=None, config: str | None = None, tiers: Iterable[str] = (), re
     return make_backend(rules, config, tiers, report, strict, budget, device, ratio, mode)
 
 
-def joint_graph(model, example_inputs: Sequence):
-    """One training step of `model(*example_inputs) -> loss` as an ATen fx graph
-    (core decompositions), outputs (loss, *gradients)."""
-    from backends.onnx.torch_export import trace_training_step
+def joint_graphs(model, example_inputs: Sequence) -> list:
+    """The joint graphs (forward + backward, one per graph break) that
+    `torch.compile(model, backend="remat")` hands remat for one training step of
+    `model(*example_inputs) -> loss`: AOTAutograd's, with Inductor's decompositions, as copies.
+    What `analyze` plans on, so its plan table and config strings are the backend's."""
+    from torch import fx
 
-    return trace_training_step(model, tuple(example_inputs)).graph
+    from .timeline import on_joint_graphs
+
+    def copy(joint):
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(joint.graph, {}))
+        return fx.GraphModule(joint, graph)
+
+    return on_joint_graphs(model, tuple(example_inputs), copy)
+
+
+def joint_graph(model, example_inputs: Sequence):
+    """The one joint graph of `model`'s training step (see joint_graphs); an error for a model
+    whose step torch.compile breaks into several graphs."""
+    from engine.errors import RematError
+
+    graphs = joint_graphs(model, example_inputs)
+    if len(graphs) != 1:
+        raise RematError(f"the training step compiles to {len(graphs)} graphs (graph breaks), not one; "
+                         f"use joint_graphs()")
+    return graphs[0]
 
 
 def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None = None,
             tiers: Iterable[str] = (), show: bool = True, timeline: str | Path | None = None,
             measure: bool = False):
     """The plans the rules offer on `model`'s training step; prints the table unless show=False.
-    Chunk plans are found on the joint graph op by op (decompositions unfolded), the others
-    on the folded graph, as the torch.compile backend applies them. `timeline` (a .png, .svg or
+    The step's joint graph is the one torch.compile hands the remat backend (joint_graph), so the
+    table's config strings are the backend's. Chunk plans are found on the joint graph op by op
+    (decompositions unfolded), the others on the folded graph, as the backend applies them. `timeline` (a .png, .svg or
     .pdf): draw memory over the step before and after remat's rewrite, as the peak model simulates
     it (backends/fx/timeline.py); with `measure`, also as torch's profiler measures the step
     compiled by Inductor (two compiles: slow on a large model)."""

@@ -96,6 +96,18 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             key = member_of[fx_node.args[0]]
             group_members[key].append(fx_node)
             member_of[fx_node] = key
+    # One op instance's nodes are connected: members that share a key but not an edge (the two
+    # reshapes of cross_entropy's decomposition, of the logits and of the labels, carry one
+    # autograd seq_nr) are separate groups, else they would be folded into one node that reads
+    # both and makes a value of neither.
+    for key, members in list(group_members.items()):
+        parts = _connected(members)
+        if len(parts) > 1:
+            del group_members[key]
+            for k, part in enumerate(parts):
+                group_members[(*key, k)] = part
+                for m in part:
+                    member_of[m] = (*key, k)
     # A group becomes one node at its first member's place, so it must be contiguous in effect:
     # what it reads is produced before it, and what reads it comes after it. Otherwise its
     # nodes are imported one by one.
@@ -151,7 +163,8 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             outs = [outs[i] for i in order]
             produced = [produced[i] for i in order]
             base = _base_name(members[0].meta["original_aten"])
-            node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, {}, produced[0].name if produced else members[0].name,
+            node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, _folded_attributes(base, members),
+                        produced[0].name if produced else members[0].name,
                         native_op=f"aten::{base}", backend_nodes=[m.name for m in members],
                         scope=_scope(members[0]), plan=next((m.meta[PLAN] for m in members if PLAN in m.meta), None))
             for m, v in zip(produced, outs):
@@ -174,6 +187,40 @@ def _flat_nodes(args: Any) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(args, lambda n: out.append(n))
     return out
+
+
+def _folded_attributes(base: str, members: list[fx.Node]) -> dict:
+    """The attributes of a decomposed op, read back from its parts where they say them: a
+    softmax's axis is the dim its max is taken over (Inductor decomposes `_softmax` before the
+    joint graph exists, and `Softmax(x, axis=-1)` must still match)."""
+    if base in ("_softmax", "_log_softmax"):
+        for m in members:
+            if _base_name(m.target) == "amax" and len(m.args) > 1:
+                dims = m.args[1] if isinstance(m.args[1], (list, tuple)) else [m.args[1]]
+                if len(dims) == 1:
+                    return {"axis": int(dims[0])}
+    return {}
+
+
+def _connected(members: list[fx.Node]) -> list[list[fx.Node]]:
+    """`members` split into the parts their own edges connect, each in graph order."""
+    index = {m: i for i, m in enumerate(members)}
+    parent = list(range(len(members)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for m in members:
+        for a in _flat_nodes((m.args, m.kwargs)):
+            if a in index:
+                parent[root(index[a])] = root(index[m])
+    parts: dict[int, list[fx.Node]] = {}
+    for m in members:
+        parts.setdefault(root(index[m]), []).append(m)
+    return list(parts.values())
 
 
 def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
