@@ -36,13 +36,8 @@ def _estimate_and_measure(model, compiled, inputs) -> tuple[int, int]:
     return estimate, tensor_peak(step)
 
 
-GAP = pytest.mark.xfail(strict=True, reason="Inductor holds freed buffers for reuse longer than modelled "
-                                            "where the backward recomputes much (backends/fx/peak.py)")
-
-
 @pytest.mark.parametrize("backend, budget", [
-    ("inductor", None), ("remat", None), ("remat-expensive", None),
-    pytest.param("inductor", 0.1, marks=GAP),
+    ("inductor", None), ("remat", None), ("remat-expensive", None), ("inductor", 0.1),
 ])
 def test_the_estimate_is_within_ten_percent_of_the_tensors_a_gpt_step_holds(fresh_compiles, backend, budget):
     import torch._functorch.config as functorch_config
