@@ -280,7 +280,7 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
         return b
 
     def overwritten(node: Node, o: Value) -> _Buffer | None:
-        """The buffer of an input `o` may be written over: read last here, the same size."""
+        """The buffer `node` writes its output `o` over: an input it reads last, of `o`'s size."""
         if model.overwrites is not None:
             candidates = model.overwrites(node)
         else:
