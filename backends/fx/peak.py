@@ -13,12 +13,14 @@ the program Inductor runs (`program`: kernels and buffers) and walks that with
 
 - buffers: a view aliases its base; a pointwise value is computed inside each kernel that reads
   it, and what it reads lives until then, unless Inductor's lowering gives it a buffer
-  (`fused_away`: a reader that is neither pointwise nor a reduction, the value leaving its
-  graph, or a chain too costly to compute again in each of several readers);
-- order: Inductor's scheduler fuses kernels over the same loop that share a buffer and runs
-  each fused kernel after what it reads (`_schedule`), which moves a later kernel up to an
-  earlier one it fuses with, and a cat writes each input into its slice as it comes;
-- memory: a generated kernel writes over a buffer it reads last, of its size
+  (`fused_away`: a reader that is neither pointwise, a reduction nor a scatter, the value
+  leaving its graph, or a chain too costly to compute again in each of several readers); an
+  add of a matmul's product is the matmul's own output (Inductor's addmm pattern);
+- order: Inductor's scheduler fuses kernels over the same loop that touch the same elements of
+  a buffer, unless they are far apart or fusing would keep two same-size buffers alive that each
+  alone would free, and runs each fused kernel after what it reads (`_schedule`), which moves a
+  later kernel up to an earlier one; a cat writes each input into its slice as it comes;
+- memory: a generated kernel writes over a buffer it reads last, of its size, at its own index
   (`Scheduler.decide_inplace_update`); a freed buffer goes to the next of the same dtype and
   size in the same graph, held until then only where that keeps the graph's estimated peak
   (`AllocateLine.should_reuse_buffer`); a chunk's `invoke_subgraph` call counts its body's peak
@@ -70,6 +72,12 @@ _READS_REALIZED = 8
 # (Scheduler.are_long_distant_nodes): fusing them would stretch what lives between.
 _FUSION_DISTANCE = 64
 _COPIES = {_ATEN.clone.default, _ATEN._to_copy.default}
+_GATHERS = {_ATEN.embedding.default, _ATEN.gather.default, _ATEN.index.Tensor}
+# Generated kernels that write elements at computed positions (Inductor's Scatter): like a
+# reduction, they compute the pointwise values they read inside themselves.
+_SCATTERS = {_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._unsafe_index_put.default,
+             _ATEN._unsafe_masked_index_put_accumulate.default, _ATEN.scatter.src, _ATEN.scatter.value,
+             _ATEN.scatter_add.default, _ATEN.index_add.default}
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -110,7 +118,7 @@ def fused_away(graph: fx.Graph) -> set[fx.Node]:
         for user in node.users:
             if user.op == "output" or (_is_view(user) and (user in returned or read_by_a_kernel(user))):
                 return True
-            if not (_is_view(user) or _is_pointwise(user) or _is_reduction(user)):
+            if not (_is_view(user) or _is_pointwise(user) or _is_reduction(user) or user.target in _SCATTERS):
                 return True
         return False
 
@@ -118,6 +126,7 @@ def fused_away(graph: fx.Graph) -> set[fx.Node]:
         """Its users, or a view's, whichever is most (Inductor marks a reused view's base)."""
         return max([len(node.users)] + [readers(u) for u in node.users if _is_view(u)])
 
+    folded = _addmm_folds(graph)
     fused: set[fx.Node] = set()
     chain: dict[fx.Node, tuple[frozenset, int, bool]] = {}   # buffers read, ops, a costly op
     for n in graph.nodes:
@@ -125,7 +134,7 @@ def fused_away(graph: fx.Graph) -> set[fx.Node]:
             chain[n] = chain.get(n.args[0], (frozenset([n]), 0, False)) if n.args and isinstance(
                 n.args[0], fx.Node) else (frozenset([n]), 0, False)
             continue
-        if not _is_pointwise(n) or n in returned or read_by_a_kernel(n):
+        if not _is_pointwise(n) or n in returned or n in folded or read_by_a_kernel(n):
             chain[n] = (frozenset([n]), 0, False)
             continue
         reads, ops, heavy = frozenset(), 1, n.target in _HEAVY and _on_cpu(n)
@@ -139,6 +148,36 @@ def fused_away(graph: fx.Graph) -> set[fx.Node]:
         chain[n] = (reads, ops, heavy)
         fused.add(n)
     return fused
+
+
+def _addmm_folds(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """The adds Inductor's post-grad pass folds into the matmul that feeds them, as addmm
+    (fx_passes/post_grad.py, `addmm`): add(mm(a, b), c) with the mm read by nothing else, same
+    dtypes, c broadcastable to the product; on a GPU only where a reader of the sum is not
+    pointwise. By the add, its mm."""
+    folds = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not _ATEN.add.Tensor or len(n.args) != 2 or n.kwargs:
+            continue
+        for mm, other in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            if not (isinstance(mm, fx.Node) and mm.target is _ATEN.mm.default and len(mm.users) == 1
+                    and isinstance(other, fx.Node)):
+                continue
+            out, c = mm.meta.get("val"), other.meta.get("val")
+            if not (isinstance(out, torch.Tensor) and isinstance(c, torch.Tensor) and c.dtype == out.dtype
+                    and all(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == out.dtype
+                            for a in mm.all_input_nodes)):
+                continue
+            try:
+                if tuple(torch.broadcast_shapes(c.shape, out.shape)) != tuple(out.shape):
+                    continue
+            except RuntimeError:
+                continue
+            if not _on_cpu(n) and all(_is_pointwise(u) for u in n.users):
+                continue
+            folds[n] = mm
+            break
+    return folds
 
 
 def _on_cpu(node: fx.Node) -> bool:
@@ -232,7 +271,12 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
     buffers it reads at its output's index, which it may write over where it reads them last.
     Returns the program and, by kernel name, the fx node each runs."""
     module, fused = step.module, step.fused
+    folds = _addmm_folds(module.graph)
+    folded = {mm: add for add, mm in folds.items()}
     reads: dict[fx.Node, list[Value]] = {}          # the buffers an fx value stands for
+    # ... and how it reads them: (buffer, the views between that move elements), so that two
+    # kernels reading different slices of a buffer do not count as sharing it.
+    access: dict[fx.Node, frozenset] = {}
     outputs_of: dict[fx.Node, list[Value | None]] = {}
     kernels: list[_Kernel] = []
     inputs: list[Value] = []
@@ -253,15 +297,29 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
             v.is_input = True
             inputs.append(v)
             reads[n] = [v]
+            access[n] = frozenset([(id(v), ())])
         elif n.op == "get_attr":
             reads[n] = []
+            access[n] = frozenset()
         elif n.op == "output":
             returned = _union(reads[a] for a in _flat_nodes(n.args))
         elif n.target is operator.getitem and n.args[0] in outputs_of:
             out = outputs_of[n.args[0]][n.args[1]]
             reads[n] = [out] if out is not None else []
+            access[n] = frozenset((id(o), ()) for o in reads[n])
+        elif n in folded:              # computed by the addmm its add becomes
+            reads[n] = _union(reads[a] for a in n.all_input_nodes)
+            access[n] = frozenset().union(*(access[a] for a in n.all_input_nodes))
         elif _is_view(n) or n.name in fused:
             reads[n] = _union(reads[a] for a in n.all_input_nodes)
+            access[n] = frozenset().union(*(access[a] for a in n.all_input_nodes))
+            if _is_view(n) and n.target not in _VIEWS and n.target is not _ATEN.view.default:
+                moved = (str(n.target), repr([a for a in n.args[1:] if not isinstance(a, fx.Node)]))
+                access[n] = frozenset((buffer, path + (moved,)) for buffer, path in access[n])
+            elif n.target in _GATHERS and isinstance(n.args[0], fx.Node):   # elements its index picks
+                source = n.args[0]
+                access[n] = frozenset((buffer, path + (n.name,)) for buffer, path in access[source]).union(
+                    *(access[a] for a in n.all_input_nodes if a is not source))
         else:
             example = n.meta.get("val")
             many = isinstance(example, (list, tuple))
@@ -269,22 +327,26 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
                     for k, e in enumerate(example if many else [example])]
             outputs_of[n] = outs
             reads[n] = [o for o in outs if o is not None]
+            access[n] = frozenset((id(o), ()) for o in reads[n])
+            touched = frozenset().union(*(access[a] for a in n.all_input_nodes)) | access[n]
             backward = n.name in step.backward
             runs[n.name] = n
             if n.target is _ATEN.cat.default and isinstance(n.args[0], (list, tuple)) and len(reads[n]) == 1:
                 for k, piece in enumerate(n.args[0]):
                     name = n.name if k == 0 else f"{n.name}_slice{k}"
                     kernels.append(_Kernel(name, n, list(reads.get(piece, [])), [], backward, "copy",
-                                           _numel(reads[n][0]), cat=reads[n][0]))
+                                           _numel(reads[n][0]), access.get(piece, frozenset()), cat=reads[n][0]))
                     runs[name] = n
                 continue
-            kind = _kind(n)
+            kind = "extern" if n in folds else _kind(n)
             inputs_read = _union(reads[a] for a in n.all_input_nodes)
             size = (max((_numel(v) or 0 for v in inputs_read), default=0) if kind == "reduction"
                     else _numel(reads[n][0]) if reads[n] else None)
-            kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size)
-            if _writes_in_place(n) and len(reads[n]) == 1:
-                kernel.overwrites = _union(same_index(a, _numel(reads[n][0])) for a in n.all_input_nodes)
+            kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
+            if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
+                elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
+                kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0])) for a in n.all_input_nodes)
+                                     if id(v) not in elsewhere]
             kernels.append(kernel)
     nodes = []
     allocated: set[int] = set()
@@ -309,8 +371,9 @@ class _Kernel:
     inputs: list[Value]
     outputs: list[Value]
     backward: bool
-    kind: str                   # "pointwise", "reduction", "copy" (a cat's slice), "extern"
+    kind: str                   # "pointwise", "reduction", "scatter", "copy" (a cat's slice), "extern"
     size: int | None
+    access: frozenset           # (buffer, views between) it reads or writes
     cat: Value | None = None    # the cat output a slice writes into
     overwrites: list[Value] = field(default_factory=list)
 
@@ -320,7 +383,7 @@ def _kind(node: fx.Node) -> str:
         return "pointwise"
     if _is_reduction(node):
         return "reduction"
-    return "extern"
+    return "scatter" if node.target in _SCATTERS else "extern"
 
 
 def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
@@ -365,12 +428,11 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
                 and a.kind in ("pointwise", "reduction") and b.kind in ("pointwise", "reduction")
                 and (ra is None or rb is None or ra == rb))
 
-    users: dict[int, list[int]] = {}
+    users: dict[tuple, list[int]] = {}
     sizes: dict[int, int] = {}
     for i, k in enumerate(kernels):
-        for v in set(map(id, k.inputs)) | set(map(id, k.outputs)):
-            users.setdefault(v, []).append(i)
-    for k in kernels:
+        for key in k.access:
+            users.setdefault(key, []).append(i)
         for v in list(k.inputs) + list(k.outputs):
             sizes[id(v)] = _numel(v) or 0
     shared: dict[tuple[int, int], int] = {}
@@ -379,7 +441,7 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
             for y in range(x + 1, len(who)):
                 a, b = who[x], who[y]
                 if fusable(kernels[a], kernels[b]):
-                    shared[(a, b)] = shared.get((a, b), 0) + sizes[key]
+                    shared[(a, b)] = shared.get((a, b), 0) + sizes.get(key[0], 0)
     pairs = sorted(shared, key=lambda ab: (-shared[ab], ab[1] - ab[0], ab))
     group = list(range(count))                       # kernel -> its group's first member
     members = {i: [i] for i in range(count)}
@@ -387,6 +449,27 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
     kept = {i: {reduced(k)} - {None} for i, k in enumerate(kernels)}    # a reduction group's kept elements
     below = {i: descendants[i] for i in range(count)}
     above = {i: ancestors[i] for i in range(count)}
+    readers: dict[int, int] = {}
+    for i, k in enumerate(kernels):
+        for v in set(map(id, k.inputs)):
+            readers[v] = readers.get(v, 0) | 1 << i
+    values = {id(v): v for k in kernels for v in list(k.inputs) + list(k.outputs)}
+
+    def grows_peak(ga: int, gb: int) -> bool:
+        """Scheduler.can_fusion_increase_peak_memory: each fused kernel alone would free a buffer
+        only it reads, which one of the other's size could take; fused, both live at once."""
+        def freed(g: int) -> set:
+            made = {id(o) for m in members[g] for o in kernels[m].outputs}
+            return {(values[v].dtype, _numel(values[v])) for m in members[g] for v in map(id, kernels[m].inputs)
+                    if not readers.get(v, 0) & ~mask[g] and v not in made and values[v].nbytes}
+        overhead = sum(numel or 0 for _, numel in freed(ga) & freed(gb))
+        if not overhead:
+            return False
+        common = set().union(*(kernels[m].access for m in members[ga])) & set().union(
+            *(kernels[m].access for m in members[gb]))
+        saving = sum(evaluate(values[v].nbytes, {}) or 0 for v, _ in common if v in values)
+        return overhead > 32 * saving
+
     for _ in range(10):
         changed = False
         for a, b in pairs:
@@ -399,6 +482,8 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
             outside = ~(mask[ga] | mask[gb])
             if below[ga] & above[gb] & outside or below[gb] & above[ga] & outside:
                 continue             # a kernel between them would have to run inside the fused one
+            if grows_peak(ga, gb):
+                continue
             kept[ga] |= kept.pop(gb)
             members[ga] = sorted(members[ga] + members.pop(gb))
             for m in members[ga]:
