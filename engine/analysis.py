@@ -169,9 +169,13 @@ class MemoryModel:
     reuse_key: Callable[[Value], Hashable | None] | None = None
     # Hand a freed buffer over only where holding it until then keeps the walk without reuse under
     # its own peak (Inductor's wrapper, AllocateLine.should_reuse_buffer); the next step always may.
-    # That walk counts the graph's inputs until their last reader, as Inductor's estimate does.
     reuse_keeps_peak: bool = False
-    count_inputs: bool = False        # inputs are buffers until their last reader (not in the result's peak)
+    # The program a node belongs to, where a backend plans parts of the order apart (Inductor: the
+    # forward graph and the backward graph): `reuse_keeps_peak` judges by the part's own peak.
+    scope: Callable[[Node], Hashable] | None = None
+    # The inputs a node's output may be written over where the node reads them last (a backend's
+    # in-place kernels: Inductor's); by default the first input of an op in `inplace_ops`.
+    overwrites: Callable[[Node], Sequence[Value]] | None = None
 
 
 class _Buffer:
@@ -248,16 +252,23 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
         return (tuple(v.shape), v.dtype.itemsize) if known and v.shape else None
 
     held: list[int] | None = None        # the walk without reuse, plus what reuse holds so far
+    ceiling: list[int] = []              # by step: the highest point of the walk without reuse in its scope
     if model.reuse_keeps_peak:
         plain = simulate_peak(graph, order, alias_ops, replace(model, reuse_key=None, reuse_same_shape=False,
-                                                             reuse_keeps_peak=False, count_inputs=True),
+                                                             reuse_keeps_peak=False, overwrites=None,
+                                                             inplace_ops=frozenset()),
                               dim_examples)
-        held, ceiling = list(plain.curve), plain.peak_bytes or 0
+        held = list(plain.curve)
+        scopes = [model.scope(node) if model.scope is not None else None for node in order]
+        highest: dict[Hashable, int] = {}
+        for scope, bytes_ in zip(scopes, held):
+            highest[scope] = max(highest.get(scope, 0), bytes_)
+        ceiling = [highest[scope] for scope in scopes]
 
     def may_reuse(free: _Buffer, i: int, nbytes: int) -> bool:
         if held is None or free.freed + 1 >= i:
             return True
-        if nbytes + max(held[free.freed + 1:i]) > ceiling:
+        if nbytes + max(held[free.freed + 1:i]) > ceiling[i]:
             return False
         for k in range(free.freed + 1, i):
             held[k] += nbytes
@@ -268,10 +279,18 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
         buffers.append(b)
         return b
 
-    if model.count_inputs:
-        for v in graph.inputs:
-            buffer_of[id(v)] = b = new_buffer(v, 0, apart=False)
-            b.uses = uses.get(id(v), 0)
+    def overwritten(node: Node, o: Value) -> _Buffer | None:
+        """The buffer `node` writes its output `o` over: an input it reads last, of `o`'s size."""
+        if model.overwrites is not None:
+            candidates = model.overwrites(node)
+        else:
+            candidates = node.inputs[:1] if node.op in model.inplace_ops else ()
+        for v in candidates:
+            b = buffer_of.get(id(v)) if v is not None else None
+            if b is not None and b.uses == 1 and not b.apart and _same_size(v, o, model, size):
+                return b
+        return None
+
     for i, node in enumerate(order):
         for k, o in enumerate(_present_outputs(node)):
             base = node.inputs[0] if node.inputs else None
@@ -281,10 +300,7 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
                 b = buffer_of.get(id(base))
                 if b is not None:
                     b.values.append(o)
-            elif (node.op in model.inplace_ops and k == 0 and base is not None
-                  and buffer_of.get(id(base)) is not None and buffer_of[id(base)].uses == 1
-                  and not buffer_of[id(base)].apart and _same_size(base, o, model, size)):
-                b = buffer_of[id(base)]
+            elif k == 0 and (b := overwritten(node, o)) is not None:
                 b.values.append(o)
             elif model.apart is not None and model.apart(o):
                 b = new_buffer(o, i, apart=True)

@@ -7,23 +7,32 @@ cheap pointwise ops in the backward on its own), and Inductor fuses pointwise ch
 of their values never get a buffer. A liveness walk of the joint graph missed all of that
 (the GPT-like step of docs/design.md: 585 MiB estimated, 461 MiB measured). So the estimate runs those
 passes and the partitioner itself, on a copy, the way Inductor calls them, joins the forward and
-the backward into one step (the backward's saved inputs are the forward's values), and walks it
-with `engine.analysis.simulate_peak` under Inductor's rules:
+the backward into one step (the backward's saved inputs are the forward's values), makes of it
+the program Inductor runs (`program`: kernels and buffers) and walks that with
+`engine.analysis.simulate_peak` under Inductor's memory planning (`inductor_memory`):
 
-- a view aliases its base; a pointwise op (`torch.Tag.pointwise`, and the ops Inductor lowers as
-  pointwise loads) is inlined into the kernel that reads it, unless a reader is neither pointwise
-  nor a reduction (a matmul, a fallback kernel, a chunk's subgraph) or the value leaves its
-  graph (the loss, what the forward saves, a gradient); everything else is a buffer;
-- a freed buffer is handed to the next buffer of the same dtype and size in the same graph, and
-  stays allocated until then, but only where holding it keeps the walk under its own peak
-  (Inductor's wrapper, `AllocateLine.should_reuse_buffer`);
-- a chunk's `invoke_subgraph` call counts its body's peak for one slice.
+- buffers: a view aliases its base; a pointwise value is computed inside each kernel that reads
+  it, and what it reads lives until then, unless Inductor's lowering gives it a buffer
+  (`fused_away`: a reader that is neither pointwise, a reduction nor a scatter, the value
+  leaving its graph, or a chain too costly to compute again in each of several readers); an
+  add of a matmul's product is the matmul's own output (Inductor's addmm pattern);
+- order: Inductor's scheduler fuses kernels over the same loop that touch the same elements of
+  a buffer, unless they are far apart or fusing would keep two same-size buffers alive that each
+  alone would free, and runs each fused kernel after what it reads (`_schedule`), which moves a
+  later kernel up to an earlier one; a cat writes each input into its slice as it comes;
+- memory: a generated kernel writes over a buffer it reads last, of its size, at its own index
+  (`Scheduler.decide_inplace_update`); a freed buffer goes to the next of the same dtype and
+  size in the same graph, held until then only where that keeps the graph's estimated peak
+  (`AllocateLine.should_reuse_buffer`); a chunk's `invoke_subgraph` call counts its body's peak
+  for one slice.
 
-Checked against the tensors a compiled step holds (`tests/test_torch_peak.py`, the profiler's
+Found by comparing, allocation by allocation, Inductor's generated code (its `empty_strided`,
+`del` and `# reuse` lines give the live set exactly; they match the profiler's allocation
+events to the byte) with this walk, on the GPT-like steps of `bench/torch_step.py`. Checked
+against the tensors a compiled step holds (`tests/test_torch_peak.py`, the profiler's
 allocation events) and the process's measured peak (`bench/torch_step.py`, estimate column).
-Where it is off: Inductor judges a reuse by its own estimate, made kernel by kernel after fusion,
-which runs higher than this walk, so it holds freed buffers longer than modelled where the
-backward recomputes much (`activation_memory_budget=0.1`: 0.76 of the measured peak).
+The order is an approximation of Inductor's scheduler (its fusion rules are the backend's, its
+peak-memory reordering is not modelled), so the reuse decisions it drives can differ.
 """
 from __future__ import annotations
 
@@ -34,9 +43,11 @@ import torch
 from torch import fx
 
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
-from engine.ir import Node, Value
+from engine.dtypes import DType
+from engine.ir import Graph, Node, Value
+from engine.shapes import evaluate
 
-from .importer import import_fx
+from .importer import _DTYPES, _dim
 
 _ATEN = torch.ops.aten
 # Not tagged pointwise, but Inductor lowers each as one (an indexed or constant load, a copy):
@@ -47,6 +58,26 @@ _INLINED = {_ATEN.embedding.default, _ATEN.full.default, _ATEN.scalar_tensor.def
             _ATEN.arange.start_step, _ATEN.arange.default, _ATEN.gather.default, _ATEN.index.Tensor,
             _ATEN.constant_pad_nd.default}
 _VIEWS = {_ATEN._unsafe_view.default, _ATEN.reshape.default}
+# Inductor's lowering gives a pointwise value a buffer, rather than computing it again in each of
+# several readers, where its inlined chain holds one of these ops on CPU, more than
+# `_OPS_ON_REUSE` ops or reads more than `_READS_ON_REUSE` buffers (StorageBox.should_realize_on_reuse,
+# config.realize_reads_threshold), and in any case where it reads more than `_READS_REALIZED`
+# (config.realize_acc_reads_threshold).
+_HEAVY = {_ATEN.exp.default, _ATEN.log.default, _ATEN.log10.default, _ATEN.log1p.default, _ATEN.log2.default,
+          _ATEN.sigmoid.default, _ATEN.tanh.default}
+_OPS_ON_REUSE = 30
+_READS_ON_REUSE = 4
+_READS_REALIZED = 8
+# Inductor does not fuse kernels further apart than this in its original order
+# (Scheduler.are_long_distant_nodes): fusing them would stretch what lives between.
+_FUSION_DISTANCE = 64
+_COPIES = {_ATEN.clone.default, _ATEN._to_copy.default}
+_GATHERS = {_ATEN.embedding.default, _ATEN.gather.default, _ATEN.index.Tensor}
+# Generated kernels that write elements at computed positions (Inductor's Scatter): like a
+# reduction, they compute the pointwise values they read inside themselves.
+_SCATTERS = {_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._unsafe_index_put.default,
+             _ATEN._unsafe_masked_index_put_accumulate.default, _ATEN.scatter.src, _ATEN.scatter.value,
+             _ATEN.scatter_add.default, _ATEN.index_add.default}
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -70,7 +101,14 @@ def _is_reduction(node: fx.Node) -> bool:
 
 
 def fused_away(graph: fx.Graph) -> set[fx.Node]:
-    """The pointwise values Inductor inlines into their readers: no buffer of their own."""
+    """The pointwise values Inductor inlines into their readers: no buffer of their own.
+
+    A pointwise value gets a buffer where a reader is neither pointwise nor a reduction (a
+    matmul, a fallback kernel, a chunk's subgraph) or it leaves the graph, and, as Inductor's
+    lowering decides (GraphLowering.run_node), where the chain inlined into it reads too many
+    buffers (`_READS_REALIZED`), or it has several readers and the chain would be computed again
+    in each: a chain with a costly op on CPU (`_HEAVY`), many ops, or more than
+    `_READS_ON_REUSE` buffers read."""
     returned = set()
     for node in graph.nodes:
         if node.op == "output":
@@ -80,11 +118,71 @@ def fused_away(graph: fx.Graph) -> set[fx.Node]:
         for user in node.users:
             if user.op == "output" or (_is_view(user) and (user in returned or read_by_a_kernel(user))):
                 return True
-            if not (_is_view(user) or _is_pointwise(user) or _is_reduction(user)):
+            if not (_is_view(user) or _is_pointwise(user) or _is_reduction(user) or user.target in _SCATTERS):
                 return True
         return False
 
-    return {n for n in graph.nodes if _is_pointwise(n) and n not in returned and not read_by_a_kernel(n)}
+    def readers(node: fx.Node) -> int:
+        """Its users, or a view's, whichever is most (Inductor marks a reused view's base)."""
+        return max([len(node.users)] + [readers(u) for u in node.users if _is_view(u)])
+
+    folded = _addmm_folds(graph)
+    fused: set[fx.Node] = set()
+    chain: dict[fx.Node, tuple[frozenset, int, bool]] = {}   # buffers read, ops, a costly op
+    for n in graph.nodes:
+        if _is_view(n):
+            chain[n] = chain.get(n.args[0], (frozenset([n]), 0, False)) if n.args and isinstance(
+                n.args[0], fx.Node) else (frozenset([n]), 0, False)
+            continue
+        if not _is_pointwise(n) or n in returned or n in folded or read_by_a_kernel(n):
+            chain[n] = (frozenset([n]), 0, False)
+            continue
+        reads, ops, heavy = frozenset(), 1, n.target in _HEAVY and _on_cpu(n)
+        for a in n.all_input_nodes:
+            r, o, h = chain.get(a, (frozenset([a]), 0, False))
+            reads, ops, heavy = reads | r, ops + o, heavy or h
+        if len(reads) > _READS_REALIZED or readers(n) > 1 and (heavy or ops > _OPS_ON_REUSE
+                                                                 or len(reads) > _READS_ON_REUSE):
+            chain[n] = (frozenset([n]), 0, False)
+            continue
+        chain[n] = (reads, ops, heavy)
+        fused.add(n)
+    return fused
+
+
+def _addmm_folds(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """The adds Inductor's post-grad pass folds into the matmul that feeds them, as addmm
+    (fx_passes/post_grad.py, `addmm`): add(mm(a, b), c) with the mm read by nothing else, same
+    dtypes, c broadcastable to the product; on a GPU only where a reader of the sum is not
+    pointwise. By the add, its mm."""
+    folds = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not _ATEN.add.Tensor or len(n.args) != 2 or n.kwargs:
+            continue
+        for mm, other in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            if not (isinstance(mm, fx.Node) and mm.target is _ATEN.mm.default and len(mm.users) == 1
+                    and isinstance(other, fx.Node)):
+                continue
+            out, c = mm.meta.get("val"), other.meta.get("val")
+            if not (isinstance(out, torch.Tensor) and isinstance(c, torch.Tensor) and c.dtype == out.dtype
+                    and all(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == out.dtype
+                            for a in mm.all_input_nodes)):
+                continue
+            try:
+                if tuple(torch.broadcast_shapes(c.shape, out.shape)) != tuple(out.shape):
+                    continue
+            except RuntimeError:
+                continue
+            if not _on_cpu(n) and all(_is_pointwise(u) for u in n.users):
+                continue
+            folds[n] = mm
+            break
+    return folds
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    example = node.meta.get("val")
+    return isinstance(example, torch.Tensor) and example.device.type == "cpu"
 
 
 @dataclass
@@ -163,6 +261,292 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
     return step
 
 
+def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
+    """The step as Inductor runs it: one node per kernel, in the order Inductor's scheduler runs
+    them (`_schedule`), reading and writing buffers. A view stands for its base's buffer and a
+    fused value for the buffers its chain reads (Inductor computes it inside each kernel that
+    reads it, so what it reads lives until then). A cat is one kernel per input, each writing its
+    slice of the output, which the first to run allocates (ConcatKernel). A kernel that writes
+    element by element where it reads (`_writes_in_place`) lists in `meta["overwrites"]` the
+    buffers it reads at its output's index, which it may write over where it reads them last.
+    Returns the program and, by kernel name, the fx node each runs."""
+    module, fused = step.module, step.fused
+    folds = _addmm_folds(module.graph)
+    folded = {mm: add for add, mm in folds.items()}
+    reads: dict[fx.Node, list[Value]] = {}          # the buffers an fx value stands for
+    # ... and how it reads them: (buffer, the views between that move elements), so that two
+    # kernels reading different slices of a buffer do not count as sharing it.
+    access: dict[fx.Node, frozenset] = {}
+    outputs_of: dict[fx.Node, list[Value | None]] = {}
+    kernels: list[_Kernel] = []
+    inputs: list[Value] = []
+    returned: list[Value] = []
+    runs: dict[str, fx.Node] = {}
+
+    def same_index(arg: fx.Node, numel: int) -> list[Value]:
+        """The buffers `arg` reads at the same element index as a result of `numel` elements."""
+        if _is_view(arg) and arg.target not in _VIEWS and arg.target is not _ATEN.view.default:
+            return []             # a permute, an expand, a slice: another index
+        if _is_view(arg) or arg.name in fused:
+            return _union(same_index(a, numel) for a in arg.all_input_nodes)
+        return [v for v in reads.get(arg, []) if _numel(v) == numel]
+
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            v = _buffer(n.name, n.meta.get("val"))
+            v.is_input = True
+            inputs.append(v)
+            reads[n] = [v]
+            access[n] = frozenset([(id(v), ())])
+        elif n.op == "get_attr":
+            reads[n] = []
+            access[n] = frozenset()
+        elif n.op == "output":
+            returned = _union(reads[a] for a in _flat_nodes(n.args))
+        elif n.target is operator.getitem and n.args[0] in outputs_of:
+            out = outputs_of[n.args[0]][n.args[1]]
+            reads[n] = [out] if out is not None else []
+            access[n] = frozenset((id(o), ()) for o in reads[n])
+        elif n in folded:              # computed by the addmm its add becomes
+            reads[n] = _union(reads[a] for a in n.all_input_nodes)
+            access[n] = frozenset().union(*(access[a] for a in n.all_input_nodes))
+        elif _is_view(n) or n.name in fused:
+            reads[n] = _union(reads[a] for a in n.all_input_nodes)
+            access[n] = frozenset().union(*(access[a] for a in n.all_input_nodes))
+            if _is_view(n) and n.target not in _VIEWS and n.target is not _ATEN.view.default:
+                moved = (str(n.target), repr([a for a in n.args[1:] if not isinstance(a, fx.Node)]))
+                access[n] = frozenset((buffer, path + (moved,)) for buffer, path in access[n])
+            elif n.target in _GATHERS and isinstance(n.args[0], fx.Node):   # elements its index picks
+                source = n.args[0]
+                access[n] = frozenset((buffer, path + (n.name,)) for buffer, path in access[source]).union(
+                    *(access[a] for a in n.all_input_nodes if a is not source))
+        else:
+            example = n.meta.get("val")
+            many = isinstance(example, (list, tuple))
+            outs = [_buffer(f"{n.name}_{k}" if many else n.name, e) if isinstance(e, torch.Tensor) else None
+                    for k, e in enumerate(example if many else [example])]
+            outputs_of[n] = outs
+            reads[n] = [o for o in outs if o is not None]
+            access[n] = frozenset((id(o), ()) for o in reads[n])
+            touched = frozenset().union(*(access[a] for a in n.all_input_nodes)) | access[n]
+            backward = n.name in step.backward
+            runs[n.name] = n
+            if n.target is _ATEN.cat.default and isinstance(n.args[0], (list, tuple)) and len(reads[n]) == 1:
+                for k, piece in enumerate(n.args[0]):
+                    name = n.name if k == 0 else f"{n.name}_slice{k}"
+                    kernels.append(_Kernel(name, n, list(reads.get(piece, [])), [], backward, "copy",
+                                           _numel(reads[n][0]), access.get(piece, frozenset()), cat=reads[n][0]))
+                    runs[name] = n
+                continue
+            kind = "extern" if n in folds else _kind(n)
+            inputs_read = _union(reads[a] for a in n.all_input_nodes)
+            size = (max((_numel(v) or 0 for v in inputs_read), default=0) if kind == "reduction"
+                    else _numel(reads[n][0]) if reads[n] else None)
+            kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
+            if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
+                elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
+                kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0])) for a in n.all_input_nodes)
+                                     if id(v) not in elsewhere]
+            kernels.append(kernel)
+    nodes = []
+    allocated: set[int] = set()
+    for kernel in _schedule(kernels):
+        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name)
+        if kernel.cat is not None:     # the first slice to run allocates the cat's output
+            (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
+            allocated.add(id(kernel.cat))
+        node.meta["backward"] = kernel.backward
+        node.meta["overwrites"] = kernel.overwrites
+        nodes.append(node)
+    return Graph(nodes, inputs, returned, name="inductor"), runs
+
+
+@dataclass
+class _Kernel:
+    """One kernel of the program, for `_schedule`: what it reads and writes, and the loop it runs
+    (`size`: the elements it iterates over, for a reduction its input's)."""
+
+    name: str
+    fx: fx.Node
+    inputs: list[Value]
+    outputs: list[Value]
+    backward: bool
+    kind: str                   # "pointwise", "reduction", "scatter", "copy" (a cat's slice), "extern"
+    size: int | None
+    access: frozenset           # (buffer, views between) it reads or writes
+    cat: Value | None = None    # the cat output a slice writes into
+    overwrites: list[Value] = field(default_factory=list)
+
+
+def _kind(node: fx.Node) -> str:
+    if _is_pointwise(node):
+        return "pointwise"
+    if _is_reduction(node):
+        return "reduction"
+    return "scatter" if node.target in _SCATTERS else "extern"
+
+
+def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
+    """The order Inductor's scheduler runs `kernels` in (given in the graph's order). It fuses
+    kernels over the same loop that share a buffer (Scheduler.fuse_nodes): a kernel with one that
+    reads what it writes, or two that read the same buffer at most `_FUSION_DISTANCE` apart; the
+    pairs sharing the most elements first; never two that a kernel outside them runs between.
+    It sorts the fused kernels by their first member and runs each after the kernels it reads,
+    visiting those by buffer name (Scheduler.topological_sort_schedule)."""
+    count = len(kernels)
+    made_by: dict[int, int] = {}
+    for i, k in enumerate(kernels):
+        for o in k.outputs:
+            made_by[id(o)] = i
+    slices: dict[int, list[int]] = {}
+    for i, k in enumerate(kernels):
+        if k.cat is not None:
+            slices.setdefault(id(k.cat), []).append(i)
+    deps: list[set[int]] = []
+    for i, k in enumerate(kernels):
+        needs = {made_by[id(v)] for v in k.inputs if id(v) in made_by}
+        for v in k.inputs:               # a cat's readers wait for every slice
+            needs.update(slices.get(id(v), ()))
+        needs.discard(i)
+        deps.append(needs)
+    ancestors = [0] * count
+    for i in range(count):
+        for j in deps[i]:
+            ancestors[i] |= ancestors[j] | (1 << j)
+    descendants = [0] * count
+    for i in reversed(range(count)):
+        for j in deps[i]:
+            descendants[j] |= descendants[i] | (1 << i)
+
+    def reduced(k: _Kernel) -> int | None:
+        return (_numel(k.outputs[0]) if k.outputs else None) if k.kind == "reduction" else None
+
+    def fusable(a: _Kernel, b: _Kernel) -> bool:
+        """Same loop: the elements iterated, and for reductions the elements kept."""
+        ra, rb = reduced(a), reduced(b)
+        return (a.backward == b.backward and a.size is not None and a.size == b.size
+                and a.kind in ("pointwise", "reduction") and b.kind in ("pointwise", "reduction")
+                and (ra is None or rb is None or ra == rb))
+
+    users: dict[tuple, list[int]] = {}
+    sizes: dict[int, int] = {}
+    for i, k in enumerate(kernels):
+        for key in k.access:
+            users.setdefault(key, []).append(i)
+        for v in list(k.inputs) + list(k.outputs):
+            sizes[id(v)] = _numel(v) or 0
+    shared: dict[tuple[int, int], int] = {}
+    for key, who in users.items():
+        for x in range(len(who)):
+            for y in range(x + 1, len(who)):
+                a, b = who[x], who[y]
+                if fusable(kernels[a], kernels[b]):
+                    shared[(a, b)] = shared.get((a, b), 0) + sizes.get(key[0], 0)
+    pairs = sorted(shared, key=lambda ab: (-shared[ab], ab[1] - ab[0], ab))
+    group = list(range(count))                       # kernel -> its group's first member
+    members = {i: [i] for i in range(count)}
+    mask = {i: 1 << i for i in range(count)}
+    kept = {i: {reduced(k)} - {None} for i, k in enumerate(kernels)}    # a reduction group's kept elements
+    below = {i: descendants[i] for i in range(count)}
+    above = {i: ancestors[i] for i in range(count)}
+    readers: dict[int, int] = {}
+    for i, k in enumerate(kernels):
+        for v in set(map(id, k.inputs)):
+            readers[v] = readers.get(v, 0) | 1 << i
+    values = {id(v): v for k in kernels for v in list(k.inputs) + list(k.outputs)}
+
+    def grows_peak(ga: int, gb: int) -> bool:
+        """Scheduler.can_fusion_increase_peak_memory: each fused kernel alone would free a buffer
+        only it reads, which one of the other's size could take; fused, both live at once."""
+        def freed(g: int) -> set:
+            made = {id(o) for m in members[g] for o in kernels[m].outputs}
+            return {(values[v].dtype, _numel(values[v])) for m in members[g] for v in map(id, kernels[m].inputs)
+                    if not readers.get(v, 0) & ~mask[g] and v not in made and values[v].nbytes}
+        overhead = sum(numel or 0 for _, numel in freed(ga) & freed(gb))
+        if not overhead:
+            return False
+        common = set().union(*(kernels[m].access for m in members[ga])) & set().union(
+            *(kernels[m].access for m in members[gb]))
+        saving = sum(evaluate(values[v].nbytes, {}) or 0 for v, _ in common if v in values)
+        return overhead > 32 * saving
+
+    for _ in range(10):
+        changed = False
+        for a, b in pairs:
+            ga, gb = sorted((group[a], group[b]))
+            if ga == gb or len(kept[ga] | kept[gb]) > 1:
+                continue
+            vertical = bool(above[gb] & mask[ga]) or bool(above[ga] & mask[gb])
+            if not vertical and max(members[gb]) - min(members[ga]) > _FUSION_DISTANCE:
+                continue
+            outside = ~(mask[ga] | mask[gb])
+            if below[ga] & above[gb] & outside or below[gb] & above[ga] & outside:
+                continue             # a kernel between them would have to run inside the fused one
+            if grows_peak(ga, gb):
+                continue
+            kept[ga] |= kept.pop(gb)
+            members[ga] = sorted(members[ga] + members.pop(gb))
+            for m in members[ga]:
+                group[m] = ga
+            mask[ga] |= mask.pop(gb)
+            below[ga] |= below.pop(gb)
+            above[ga] |= above.pop(gb)
+            changed = True
+        if not changed:
+            break
+    needs = {g: sorted({group[d] for m in ms for d in deps[m]} - {g}, key=lambda d: f"buf{d}")
+             for g, ms in members.items()}
+    seen: set[int] = set()
+    order: list[int] = []
+    for start in sorted(members):
+        if start in seen:
+            continue
+        seen.add(start)
+        stack = [(start, iter(needs[start]))]
+        while stack:
+            current, pending = stack[-1]
+            for d in pending:
+                if d not in seen:
+                    seen.add(d)
+                    stack.append((d, iter(needs[d])))
+                    break
+            else:
+                stack.pop()
+                order.append(current)
+    return [kernels[m] for g in order for m in members[g]]
+
+
+def _flat_nodes(args) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(args, out.append)
+    return out
+
+
+def _buffer(name: str, example) -> Value:
+    if isinstance(example, torch.Tensor):
+        return Value(name, _DTYPES.get(example.dtype, DType.UNKNOWN), tuple(_dim(d) for d in example.shape))
+    return Value(name)
+
+
+def _numel(v: Value) -> int | None:
+    return evaluate(v.numel, {}) if v.numel is not None else None
+
+
+def _union(groups) -> list[Value]:
+    seen: dict[int, Value] = {}
+    for group in groups:
+        for v in group:
+            seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """A kernel Inductor generates that writes each element where it reads its inputs (a
+    pointwise op or a copy): it may write over an input it reads last."""
+    return node.op == "call_function" and (torch.Tag.pointwise in getattr(node.target, "tags", ())
+                                           or node.target in _COPIES)
+
+
 def step_peak(step: Step) -> int:
     """Bytes alive at the step's highest point above what was allocated before it (weights and
     inputs), with each chunk call counted at its body's peak for one slice."""
@@ -170,41 +554,41 @@ def step_peak(step: Step) -> int:
 
 
 def step_estimate(step: Step) -> PeakEstimate:
-    """step_peak's walk: the bytes at every node of the step, in the order it runs (the curve a
-    timeline draws)."""
-    module, fused = step.module, step.fused
-    view_nodes = {n.name for n in module.graph.nodes if _is_view(n)}
-    calls = {n.name: n for n in module.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)}
-    graph = import_fx(module, forward_outputs=0, fold=False)
+    """`simulate_peak` of the step's kernel program (`program`) under Inductor's memory planning."""
+    graph, kernels = program(step)
+    return simulate_peak(graph, model=inductor_memory(step, kernels))
 
+
+def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:
+    """How Inductor places a step's buffers (codegen/wrapper.py's memory planning): a freed buffer
+    goes to the next buffer of the same dtype and storage size in the same graph, most recently
+    freed first, where holding it until then keeps the graph's estimated peak
+    (`AllocateLine.should_reuse_buffer`); a generated kernel writes over an input it reads last
+    (`Scheduler.decide_inplace_update`); a chunk call holds its body's peak for one slice."""
     bodies: dict[str, int] = {}     # by subgraph: every slice calls the same body, and both walks ask
 
     def body_peak(node: Node) -> int:
-        call = calls.get(node.name)
-        if call is None:
+        call = kernels[node.name]
+        if "invoke_subgraph" not in str(call.target):
             return 0
         target = call.args[0].target
         if target not in bodies:
-            body = getattr(module, target)
+            body = getattr(step.module, target)
             bodies[target] = step_peak(Step(body, {n.name for n in fused_away(body.graph)}))
         return bodies[target]
 
     def storage(v: Value) -> tuple | None:
-        """Inductor hands a freed buffer to the next one of the same dtype and storage size in
-        the same graph (codegen/wrapper.py, buffer_reuse_key), most recently freed first; the
-        freed buffer stays allocated until then."""
-        if v.name in fused or not v.nbytes:
+        if not v.nbytes or v.producer is None:
             return None
-        return (v.name in step.backward, v.dtype, v.nbytes)
+        return (v.producer.meta["backward"], v.dtype, v.nbytes)
 
-    model = MemoryModel(
-        alias_ops=frozenset(n.op for n in graph.nodes if n.name in view_nodes),
-        size_of=lambda v: 0 if v.name in fused else None,
+    return MemoryModel(
         reuse_key=storage,
         reuse_keeps_peak=True,
+        scope=lambda node: node.meta["backward"],
+        overwrites=lambda node: node.meta["overwrites"],
         transient=lambda node, size: max(0, body_peak(node) - sum(size(o) for o in node.outputs if o is not None)),
     )
-    return simulate_peak(graph, model=model)
 
 
 def estimated_step_peak(joint: fx.Graph, owner: torch.nn.Module | None = None) -> int:
