@@ -260,7 +260,7 @@ def cmd_export_gpt(args) -> int:
 
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     seq=args.seq, batch=args.batch)
-    path, error = export_gpt(cfg, args.output, dynamic=args.dynamic)
+    path, error = export_gpt(cfg, args.output, dynamic=args.dynamic, exporter=args.exporter)
     print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
           f"(largest relative error {error:.2e})")
     return 0
@@ -330,6 +330,14 @@ def _planner(p: argparse.ArgumentParser) -> None:
                    help="device profile for the cost model: cpu (measured once, cached), h100, h200, a100")
 
 
+def _exporter(p: argparse.ArgumentParser) -> None:
+    from backends.onnx.exporters import EXPORTERS
+
+    p.add_argument("--exporter", choices=tuple(EXPORTERS), default="make-fx",
+                   help="how the step is traced before torch.onnx.export(dynamo=True): "
+                        + "; ".join(f"{k}: {v}" for k, v in EXPORTERS.items()))
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -387,6 +395,7 @@ def parser() -> argparse.ArgumentParser:
                           ("seq", 512), ("batch", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dynamic", action="store_true", help="keep batch and seq symbolic (dim_param)")
+    _exporter(p)
     p.set_defaults(fn=cmd_export_gpt)
     p = sub.add_parser("pipeline-plan", help="pipeline stages' layers and each layer's recompute option, "
                                              "solved together (seed 004)")

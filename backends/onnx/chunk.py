@@ -93,23 +93,29 @@ class _Graph:
 def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str], str]) -> None:
     """The region reads values computed, through a shape or a type only, from its own outputs
     (the gradient seed `ones_like(loss)` is built from the loss's shape and type). Written
-    with the shape and type as constants, they no longer wait for the region."""
+    with the shape and type as constants, they no longer wait for the region. Only such cycles,
+    phase by phase: a two-phase region's backward inputs wait for everything after its forward
+    phase, and rewriting every type read there would replace nodes other regions hold."""
     region_ids = {id(n) for n in region.nodes}
-    after = _downstream(graph, {id(o) for o in region.outputs})
-    before: set[int] = set()
-    stack = [v for phase in region.phases for v in phase.inputs]
-    while stack:
-        v = stack.pop()
-        p = v.producer
-        if p is None or id(p) in region_ids or id(p) in before:
-            continue
-        before.add(id(p))
-        stack.extend(p.present_inputs())
+    cycles: set[int] = set()        # nodes a phase's inputs wait for that read its outputs' type
+    for phase in region.phases:
+        after = _downstream(graph, {id(o) for o in phase.outputs})
+        before: set[int] = set()
+        stack = list(phase.inputs)
+        while stack:
+            v = stack.pop()
+            p = v.producer
+            if p is None or id(p) in region_ids or id(p) in before:
+                continue
+            before.add(id(p))
+            stack.extend(p.present_inputs())
+        cycles.update(id(n) for n in graph.nodes if id(n) in before and (
+            (n.op == "Shape" and id(n.inputs[0]) in after) or (n.op == "CastLike" and id(n.inputs[1]) in after)))
     made = []
     for k, node in enumerate(graph.nodes):
-        if id(node) not in before:
+        if id(node) not in cycles:
             continue
-        if node.op == "Shape" and id(node.inputs[0]) in after:
+        if node.op == "Shape":
             shape = _static(node.inputs[0])
             start, end = node.attrs.get("start", 0), node.attrs.get("end")
             c = _constant(names, f"{node.outputs[0].name}_static", np.array(shape[start:end], np.int64))
@@ -118,7 +124,7 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str],
                 user.replace_input(node.outputs[0], c)
             graph.outputs = [c if v is node.outputs[0] else v for v in graph.outputs]
             graph.nodes[k] = None
-        elif node.op == "CastLike" and id(node.inputs[1]) in after:
+        else:
             graph.nodes[k] = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype},
                                   node.name)
     graph.nodes = [n for n in graph.nodes if n is not None]
@@ -134,10 +140,41 @@ def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
     return out
 
 
+def _total_weight(g: _Graph, node: Node, region: ChunkRegion) -> Value:
+    """The total weight a NegativeLogLikelihoodLoss mean divides by, over its whole target:
+    the summed class weight of the labels not ignored (their count without a weight)."""
+    target, weight = node.inputs[1], node.inputs[2] if len(node.inputs) > 2 else None
+    if any(target.producer is n for n in region.nodes):
+        raise GraphError(f"{node.op} {node.name}: its target %{target.name} is computed slice by slice")
+    dtype = node.outputs[0].dtype
+    ignore = node.attrs.get("ignore_index")
+    kept = None
+    if ignore is not None:
+        equal = g.add("Equal", [target, g.const("ignore_index", np.array(int(ignore), np.int64))],
+                      f"{node.name}_ignored", DType.BOOL, target.shape)
+        kept = g.add("Not", [equal], f"{node.name}_kept", DType.BOOL, target.shape)
+    if weight is None:
+        if kept is None:
+            count = g.add("Size", [target], f"{node.name}_count", DType.INT64, ())
+            return g.add("Cast", [count], f"{node.name}_total_weight", dtype, (), {"to": dtype})
+        weights = g.add("Cast", [kept], f"{node.name}_weights", dtype, target.shape, {"to": dtype})
+    else:
+        label = target if kept is None else g.add(
+            "Where", [kept, target, g.const("label_zero", np.array(0, np.int64))], f"{node.name}_label",
+            target.dtype, target.shape)
+        weights = g.add("Gather", [weight, label], f"{node.name}_weights", dtype, target.shape)
+        if kept is not None:
+            weights = g.add("Mul", [weights, g.add("Cast", [kept], f"{node.name}_kept_weight", dtype,
+                                                   target.shape, {"to": dtype})],
+                            f"{node.name}_kept_weights", dtype, target.shape)
+    return g.add("ReduceSum", [weights], f"{node.name}_total_weight", dtype, (), {"keepdims": 0})
+
+
 def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], size: int, offset: int,
-          sums: list[Value], scans: list[Value]) -> Graph:
+          sums: list[Value], scans: list[Value], divisors: dict[int, Value]) -> Graph:
     """The Loop body for slices of `size` starting at `offset`: (iteration, cond, partial sums)
-    in, (cond, partial sums, sliced outputs) out."""
+    in, (cond, partial sums, sliced outputs) out. A mean in `divisors` (region.means) runs as a
+    sum, divided by its total weight over every slice."""
     g = _Graph(names)
     iteration = Value(names("iteration"), DType.INT64, ())
     cond = Value(names("cond"), DType.BOOL, ())
@@ -169,7 +206,16 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], s
             inputs[position] = _resized_shape(g, node, node.inputs[position], m.dim, size)
         outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, size))
                 for o in node.outputs]
-        g.nodes.append(Node(node.op, inputs, outs, dict(node.attrs), names(f"{node.name}_slice"),
+        attrs = dict(node.attrs)
+        if id(node) in divisors:
+            attrs["reduction"] = "sum"
+            summed = Value(names(f"{node.outputs[0].name}_slice_sum"), outs[0].dtype, outs[0].shape)
+            g.nodes.append(Node(node.op, inputs, [summed], attrs, names(f"{node.name}_slice"),
+                                attr_defaults=node.attr_defaults))
+            g.nodes.append(Node("Div", [summed, divisors[id(node)]], outs, {}, names(f"{node.name}_mean")))
+            env[id(node.outputs[0])] = outs[0]
+            continue
+        g.nodes.append(Node(node.op, inputs, outs, attrs, names(f"{node.name}_slice"),
                             attr_defaults=node.attr_defaults))
         for o, new in zip(node.outputs, outs):
             env[id(o)] = new
@@ -217,8 +263,10 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], 
                     f"{o.name}_zero", o.dtype, o.shape,
                     {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) for o in sums]
     pieces: list[list[Value]] = [[] for _ in scans]
+    means = {id(n) for n in region.means}
+    divisors = {id(n): _total_weight(g, n, region) for n in phase.nodes if id(n) in means}
     for size, count, offset in _groups(region.chunks):
-        body = _body(phase, region, names, size, offset, sums, scans)
+        body = _body(phase, region, names, size, offset, sums, scans, divisors)
         if unrolled:
             g.initializers.extend(body.initializers)
             for it in range(count):

@@ -1,9 +1,18 @@
 """Export a torch module's training step (forward + backward) as one ONNX graph.
 
-The step is traced with make_fx through torch.autograd.grad and with the core
-ATen decompositions, then handed to torch.onnx's exporter. Decomposing first
-matters: exporting `nll_loss_backward` as is gave weight gradients 128x too
-large (DESIGN.md). `check_gradients` compares the exported graph with torch.
+Two exporters trace the step, and both hand it to `torch.onnx.export(dynamo=True)`:
+
+- `make-fx` (the default): make_fx through torch.autograd.grad, with the core ATen
+  decompositions, so torch.onnx sees only core ATen ops.
+- `aot-joint`: AOTAutograd's joint graph (`aot_export_joint_simple`), ATen ops as AOTAutograd
+  leaves them (`native_layer_norm_backward`, `_softmax_backward_data`, `gelu_backward`, ...),
+  which torch.onnx spells its own way. The incoming gradient of the loss is a constant one.
+
+Either way one op is decomposed before torch.onnx sees it: torch.onnx writes
+`nll_loss_forward`'s total weight as 1 (onnxscript's torch_lib fakes it), so a mean loss's
+`nll_loss_backward` never divides by the token count and every weight gradient comes out
+tokens times too large (DESIGN.md saw 128x). `check_gradients` compares the exported graph with
+torch, always.
 
 Graph inputs are the module's inputs then its parameters (named after them);
 outputs are the loss then one gradient per parameter (`grad.<param>`).
@@ -25,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from engine.errors import RematError
 
+from .exporters import EXPORTERS
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
 
 
@@ -51,7 +61,7 @@ def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
 class TracedStep:
     """One training step traced to an ATen fx graph: inputs, then parameters, in; (loss, *grads) out."""
 
-    graph: torch.fx.GraphModule
+    graph: torch.nn.Module          # a GraphModule, or the joint graph wrapped as a step
     step: Callable
     names: list[str]
     params: list[torch.Tensor]
@@ -71,6 +81,69 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     return TracedStep(graph, step, names, params)
 
 
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _nll_loss_forward(self, target, weight=None, reduction: int = 1, ignore_index: int = -100):
+    """aten.nll_loss_forward as ONNX's NegativeLogLikelihoodLoss, as torch.onnx writes it, but
+    with its true total weight (the summed weight of the labels not ignored), which
+    nll_loss_backward divides a mean's gradient by. torch.onnx's own translation writes 1 there."""
+    from onnxscript import opset18 as op
+
+    squeeze = len(self.shape) == 1
+    if squeeze:
+        self = op.Unsqueeze(self, [0])
+    if len(target.shape) == 0:
+        target = op.Unsqueeze(target, [0])
+    output = op.NegativeLogLikelihoodLoss(self, target, weight, ignore_index=ignore_index,
+                                          reduction=_REDUCTIONS[reduction])
+    if squeeze:
+        output = op.Squeeze(output)
+    kept = op.Not(op.Equal(target, op.CastLike(ignore_index, target)))
+    if weight is None:
+        weights = op.CastLike(kept, output)     # the loss's type, as torch_lib reads it: not the input's
+    else:
+        label = op.Where(kept, target, op.CastLike(0, target))
+        weights = op.Mul(op.Gather(weight, label), op.CastLike(kept, weight))
+    return output, op.ReduceSum(weights, keepdims=0)
+
+
+# torch.onnx's translations the exporters replace: only what it gets wrong.
+_TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward}
+
+
+class _JointStep(torch.nn.Module):
+    """AOTAutograd's joint graph as a step: (*inputs, *params) -> (loss, *param grads), the loss's
+    incoming gradient a constant one."""
+
+    def __init__(self, joint: torch.fx.GraphModule, n_inputs: int):
+        super().__init__()
+        self.joint = joint
+        self.n_inputs = n_inputs
+
+    def forward(self, *args):
+        (loss,), grads = self.joint(list(args), [torch.ones((), dtype=torch.float32)])
+        return (loss, *grads[self.n_inputs:])
+
+
+def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> TracedStep:
+    """AOTAutograd's joint graph of `module(*inputs) -> loss` (forward and backward), as a step."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    names = [n for n, _ in module.named_parameters()]
+    params = [p.detach().clone() for _, p in module.named_parameters()]
+    n_inputs = len(inputs)
+
+    def forward(*args):
+        return (functional_call(module, dict(zip(names, args[n_inputs:])), tuple(args[:n_inputs])),)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params)],
+                                        trace_joint=True)
+    return TracedStep(_JointStep(joint, n_inputs), _step_fn(module, names, n_inputs), names, params)
+
+
 def _clean(name: str) -> str:
     return name.replace(".", "_")
 
@@ -78,14 +151,24 @@ def _clean(name: str) -> str:
 def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                          input_names: list[str] | None = None,
                          dynamic_dims: dict[int, str] | None = None,
-                         max_dims: dict[str, int] | None = None) -> ExportedStep:
+                         max_dims: dict[str, int] | None = None,
+                         exporter: str = "make-fx") -> ExportedStep:
     """Trace forward + backward of `module(*inputs)` (which returns the loss) into ONNX.
 
     `dynamic_dims` names input dims that stay symbolic (`{0: "batch", 1: "seq"}`, applied
     to every input of at least that rank); the example inputs' sizes become the model's
-    example dim values, so savings print both as formulas and as bytes.
+    example dim values, so savings print both as formulas and as bytes. `exporter` is a key
+    of EXPORTERS.
     """
-    traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
+    if exporter not in EXPORTERS:
+        raise RematError(f"unknown exporter {exporter!r}; the exporters are {', '.join(EXPORTERS)}")
+    if exporter == "aot-joint" and dynamic_dims:
+        raise RematError("the aot-joint exporter traces with example sizes only; export dynamic dims "
+                         "with the make-fx exporter")
+    if exporter == "aot-joint":
+        traced = trace_joint_step(module, inputs)
+    else:
+        traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
     names, params, step = traced.names, traced.params, traced.step
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
@@ -105,7 +188,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
-            dynamic_shapes=dynamic_shapes,
+            dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
             input_names=[*input_names, *(_clean(n) for n in names)],
             output_names=["loss", *(f"grad.{_clean(n)}" for n in names)])
     model = program.model_proto
@@ -141,7 +224,7 @@ def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol
     return worst
 
 
-def export_gpt(cfg, output: str | Path, dynamic: bool = False) -> tuple[Path, float]:
+def export_gpt(cfg, output: str | Path, dynamic: bool = False, exporter: str = "make-fx") -> tuple[Path, float]:
     """Export DESIGN.md's GPT-like training step, check its gradients against torch, save it."""
     from backends.models import gpt
 
@@ -151,7 +234,7 @@ def export_gpt(cfg, output: str | Path, dynamic: bool = False) -> tuple[Path, fl
     exported = export_training_step(
         model, model.example_inputs(), ["idx", "targets"],
         dynamic_dims={0: "batch", 1: "seq"} if dynamic else None,
-        max_dims={"seq": cfg.seq} if dynamic else None)
+        max_dims={"seq": cfg.seq} if dynamic else None, exporter=exporter)
     error = check_gradients(exported, run(exported.model, exported.feeds))
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,7 @@ class _Grower:
         self.elided: set[int] = set()          # reshapes skipped inside the slices
         self.inputs: dict[int, Value] = {}
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
+        self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.index.tangent_ids
@@ -236,6 +237,8 @@ class _Grower:
                               f"{v.shape[r]} is not the chunked size {self.size}")
             self.meta[id(v)] = ChunkMeta(r)
             self.inputs[id(v)] = v
+        if need_sum and dm.mean:
+            self.means.append(node)
         scaled = self.scaled(node, inputs)
         for o in node.outputs:
             self.meta[id(o)] = ChunkMeta(out_dim, need_sum, scaled)
@@ -333,7 +336,7 @@ class _Grower:
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
         return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
-                           [n for n in nodes if id(n) in self.elided], phases, normalizer)
+                           [n for n in nodes if id(n) in self.elided], phases, normalizer, self.means)
 
     def readers_after(self, start: int):
         """In schedule order, the nodes after position `start` that read a region value, the
@@ -409,6 +412,11 @@ class _Grower:
         # node would make the forward outputs wait for the gradient.
         tangent_inputs = [v for v in self.inputs.values() if id(v) in self.tangent_ids]
         after = self.index.downstream([*late, *tangent_inputs], until=max(self.position[id(n)] for n in nodes))
+        # A node that reads a backward value only for its type (CastLike(0, grad), the masked
+        # fill of a gradient) runs in the backward phase too: the value must exist first.
+        for n in nodes:
+            if not any(id(o) in after for o in n.outputs) and any(id(v) in after for v in n.present_inputs()):
+                after.update(id(o) for o in n.outputs)
         backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
         forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
         backward_ids = {id(n) for n in backward}

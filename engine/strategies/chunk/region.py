@@ -38,6 +38,8 @@ class ChunkRegion:
     phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
     normalizer: str = ""                        # the first op of kind `axis` in the region (or
                                                 # that a backend decomposed into region nodes)
+    means: list[Node] = field(default_factory=list)   # averaging nodes whose slices sum (DimMap.mean):
+                                                # the builder divides by the whole total weight
 
     @property
     def key(self) -> str:
