@@ -39,9 +39,9 @@ from ...guards import Unproven, evaluate_expr
 from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
-from ...shapes import evaluate
+from ...shapes import evaluate, is_static
 from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
-from .region import ChunkMeta, ChunkPhase, ChunkRegion
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -332,11 +332,25 @@ class _Grower:
                               f"the region, so it would be built whole anyway")
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
-        count = self.count(action)
+        count, formula = self.count(action)
+        extent, count_formula = None, None
+        if not is_static(self.size) or not is_static(formula):
+            if not self.graph.symbolic_slices:
+                raise Refused(f"the chunked dim has the symbolic size {self.size} (or the slice count "
+                              f"`{action.count.text}` depends on a dynamic dim); this backend builds slices "
+                              f"of static sizes only")
+            extent, count_formula = self.size, formula
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
-        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
-                           [n for n in nodes if id(n) in self.elided], phases, normalizer, self.means)
+        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self._at_examples(self.size), count),
+                           tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
+                           self.means, extent, count_formula)
+
+    def _at_examples(self, size: Any) -> int:
+        value = evaluate(size, self.examples)
+        if value is None:
+            raise Refused(f"the chunked dim's size {size} has no example value (give it with --dim)")
+        return value
 
     def readers_after(self, start: int):
         """In schedule order, the nodes after position `start` that read a region value, the
@@ -461,10 +475,12 @@ class _Grower:
         tangent = next(v for v in self.graph.inputs if id(v) in tangents)
         return tangent, sorted(chain.values(), key=lambda n: self.position[id(n)])
 
-    def count(self, action: Chunk) -> int:
+    def count(self, action: Chunk) -> tuple[int, Any]:
+        """The number of slices at the example sizes, and as the rule's formula (a number when
+        it depends on no dynamic dim)."""
         what = f"`{action.count.text}`"
         try:
-            value = evaluate_expr(action.count, self.match.bindings, self.ctx)
+            value = formula = evaluate_expr(action.count, self.match.bindings, self.ctx)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 value = evaluate(value, self.examples)
         except Unproven as e:
@@ -478,16 +494,7 @@ class _Grower:
             raise Refused(f"{what} gives {value!r}, not a number of chunks")
         if value < 2:
             raise Refused(f"{what} gives {value} chunk(s): nothing to run slice by slice")
-        return int(value)
-
-
-def slice_sizes(size: Any, count: int) -> list[int]:
-    try:
-        n = int(size)
-    except TypeError:
-        raise Refused(f"the chunked dim has the symbolic size {size}") from None
-    step = math.ceil(n / min(count, n))
-    return [min(step, n - start) for start in range(0, n, step)]
+        return int(value), formula
 
 
 def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
