@@ -258,8 +258,10 @@ def cmd_export_gpt(args) -> int:
     from backends.models import GPTConfig
     from backends.onnx.torch_export import export_gpt
 
+    if not 0 <= args.dropout < 1:
+        raise RematError(f"--dropout must be in [0, 1), not {args.dropout}")
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                    seq=args.seq, batch=args.batch)
+                    seq=args.seq, batch=args.batch, dropout=args.dropout)
     path, error = export_gpt(cfg, args.output, dynamic=args.dynamic, exporter=args.exporter)
     print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
           f"(largest relative error {error:.2e})")
@@ -395,6 +397,9 @@ def parser() -> argparse.ArgumentParser:
                           ("seq", 512), ("batch", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dynamic", action="store_true", help="keep batch and seq symbolic (dim_param)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the attention probabilities and the residual branches (gradients are "
+                        "checked with it off)")
     _exporter(p)
     p.set_defaults(fn=cmd_export_gpt)
     p = sub.add_parser("pipeline-plan", help="pipeline stages' layers and each layer's recompute option, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 import warnings
+from unittest import mock
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,24 @@ class ExportedStep:
     model: onnx.ModelProto
     input_names: list[str]
     feeds: dict[str, np.ndarray]
-    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds`
+    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds` (dropout: see `verify`)
+    # torch's loss and gradients with each dropout drawing the given masks, in call order
+    with_masks: Callable[[list[np.ndarray]], dict[str, np.ndarray]] | None = None
+
+
+@dataclass
+class _MaskedDropout:
+    """F.dropout that draws, call by call, the masks ONNX Runtime drew (its Dropouts, in order)."""
+
+    masks: list[np.ndarray]
+
+    def __call__(self, input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        if not self.masks:
+            raise RematError("the model called dropout more often than the exported graph holds Dropouts")
+        mask = torch.from_numpy(self.masks.pop(0))
+        return input * mask / (1 - p)
 
 
 def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
@@ -67,6 +85,14 @@ class TracedStep:
     params: list[torch.Tensor]
 
 
+def _native_dropout(input, p=0.5, training=True, inplace=False):
+    """F.dropout as `native_dropout` (ONNX's Dropout, its mask an output): on the CPU F.dropout
+    runs an in-place `bernoulli_` into an `empty_permuted` buffer, which torch.onnx cannot write."""
+    if not training or p == 0:
+        return input
+    return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                         symbolic: bool = False) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
@@ -76,8 +102,9 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     step = _step_fn(module, names, len(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = make_fx(step, decomposition_table=core_aten_decompositions(),
-                        tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
+        with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
+            graph = make_fx(step, decomposition_table=core_aten_decompositions(),
+                            tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
     return TracedStep(graph, step, names, params)
 
 
@@ -198,10 +225,16 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     })
     feeds = {n: t.detach().numpy() for n, t in zip([*input_names, *(_clean(n) for n in names)],
                                                    [*inputs, *params])}
-    reference_out = step(*inputs, *[p.clone() for p in params])
-    reference = {n: t.detach().numpy() for n, t in zip(
-        ["loss", *(f"grad.{_clean(n)}" for n in names)], reference_out)}
-    return ExportedStep(model, input_names, feeds, reference)
+    output_names = ["loss", *(f"grad.{_clean(n)}" for n in names)]
+
+    def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+        with mock.patch.object(torch.nn.functional, "dropout", _MaskedDropout(list(masks or []))):
+            out = step(*inputs, *[p.clone() for p in params])
+        return {n: t.detach().numpy() for n, t in zip(output_names, out)}
+
+    dropout = any(n.op_type == "Dropout" for n in model.graph.node)
+    return ExportedStep(model, input_names, feeds, {} if dropout else reference_with(None),
+                        reference_with if dropout else None)
 
 
 def save(exported: ExportedStep, path: str | Path) -> Path:
@@ -209,6 +242,33 @@ def save(exported: ExportedStep, path: str | Path) -> Path:
     onnx.save(exported.model, str(path))
     np.savez(path.with_suffix(".inputs.npz"), **exported.feeds)
     return path
+
+
+def _with_mask_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` whose Dropout masks are graph outputs too, and their names in node order."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    names = []
+    for k, node in enumerate(n for n in copy.graph.node if n.op_type == "Dropout"):
+        if len(node.output) < 2 or not node.output[1]:
+            del node.output[1:]
+            node.output.append(f"remat_dropout_mask_{k}")
+        names.append(node.output[1])
+        copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(node.output[1]))
+    return copy, names
+
+
+def verify(exported: ExportedStep, rtol: float = 1e-4) -> float:
+    """Run the exported step in ONNX Runtime and check its loss and gradients against torch's;
+    with dropout, torch draws the masks ONNX Runtime drew. The largest relative error."""
+    from .runtime import run
+
+    if exported.with_masks is None:
+        return check_gradients(exported, run(exported.model, exported.feeds), rtol)
+    model, masks = _with_mask_outputs(exported.model)
+    outputs = run(model, exported.feeds)
+    exported.reference = exported.with_masks([outputs[m] for m in masks])
+    return check_gradients(exported, outputs, rtol)
 
 
 def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol: float = 1e-4) -> float:
@@ -228,14 +288,12 @@ def export_gpt(cfg, output: str | Path, dynamic: bool = False, exporter: str = "
     """Export DESIGN.md's GPT-like training step, check its gradients against torch, save it."""
     from backends.models import gpt
 
-    from .runtime import run
-
     model = gpt(cfg)
     exported = export_training_step(
         model, model.example_inputs(), ["idx", "targets"],
         dynamic_dims={0: "batch", 1: "seq"} if dynamic else None,
         max_dims={"seq": cfg.seq} if dynamic else None, exporter=exporter)
-    error = check_gradients(exported, run(exported.model, exported.feeds))
+    error = verify(exported)
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     return save(exported, path), error
