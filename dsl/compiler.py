@@ -162,31 +162,25 @@ class Compiler:
         order: a module before the files that `use` it) overrides an earlier file's for every op
         it names; two declarations in one file for one op are an error."""
         for decl in file.costs:
-            formula = _CostCompiler(self, decl, file_order).compile()
-            if formula is None:
-                continue
-            for op in sorted(formula.ops):
-                prev = self.costs.get(op)
-                if prev is not None and prev.location.file == decl.loc.file:
-                    self.error(f"the cost of {op!r} is declared twice in this file (first at {prev.location})",
-                               self._ref_naming(decl.pattern.ops, op),
-                               "a file declares one cost per op (a later file may override it)")
-                    continue
-                self.costs[op] = formula
+            self._per_op(self.costs, _CostCompiler(self, decl, file_order).compile(), decl, "cost")
 
     def compile_replays(self, file: ast.RuleFile, file_order: int) -> None:
-        """`replay` declarations: one per op name; a later file's overrides an earlier file's."""
+        """`replay` declarations: one per op name, as for costs."""
         for decl in file.replays:
-            replay = _ReplayCompiler(self, decl, file_order).compile()
-            if replay is None:
+            self._per_op(self.replays, _ReplayCompiler(self, decl, file_order).compile(), decl, "replay")
+
+    def _per_op(self, table: dict[str, Any], item: Any, decl: Any, what: str) -> None:
+        """`item` (compiled from `decl`, None when refused) as the `what` of each op it names."""
+        if item is None:
+            return
+        for op in sorted(item.ops):
+            prev = table.get(op)
+            if prev is not None and prev.location.file == decl.loc.file:
+                self.error(f"the {what} of {op!r} is declared twice in this file (first at {prev.location})",
+                           self._ref_naming(decl.pattern.ops, op),
+                           f"a file declares one {what} per op (a later file may override it)")
                 continue
-            for op in sorted(replay.ops):
-                prev = self.replays.get(op)
-                if prev is not None and prev.location.file == decl.loc.file:
-                    self.error(f"the replay of {op!r} is declared twice in this file (first at {prev.location})",
-                               self._ref_naming(decl.pattern.ops, op), "a file declares one replay per op")
-                    continue
-                self.replays[op] = replay
+            table[op] = item
 
     def _ref_naming(self, refs: list[ast.OpRef], op: str) -> SourceLocation:
         """Where `refs` name `op`: the ref itself, or the family that stands for it."""

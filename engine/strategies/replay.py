@@ -66,18 +66,13 @@ def bind(replay: Replay, node: Node) -> BoundReplay | str:
     """The declaration's captures on `node`, or why they do not bind (an input or an output the
     declaration names is absent)."""
     values: dict[str, Value] = {}
-    for k, name in enumerate(replay.outputs):
-        if name is None:
-            continue
-        if k >= len(node.outputs) or node.outputs[k] is None:
-            return f"{node.name} ({node.op}) has no output {k} ({name}), which its replay reads"
-        values[name] = node.outputs[k]
-    for k, name in enumerate(replay.inputs):
-        if name is None:
-            continue
-        if k >= len(node.inputs) or node.inputs[k] is None:
-            return f"{node.name} ({node.op}) has no input {k} ({name}), which its replay reads"
-        values[name] = node.inputs[k]
+    for what, names, have in (("output", replay.outputs, node.outputs), ("input", replay.inputs, node.inputs)):
+        for k, name in enumerate(names):
+            if name is None:
+                continue
+            if k >= len(have) or have[k] is None:
+                return f"{node.name} ({node.op}) has no {what} {k} ({name}), which its replay reads"
+            values[name] = have[k]
     return BoundReplay(replay, node, values)
 
 
