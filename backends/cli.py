@@ -1,4 +1,4 @@
-"""The `remat` command line: check, analyze, apply, explain, measure, export-gpt, pipeline-plan, demo."""
+"""The `remat` command line: check, analyze, apply, explain, measure, export, export-gpt, pipeline-plan, demo."""
 from __future__ import annotations
 
 import argparse
@@ -268,6 +268,27 @@ def cmd_export_gpt(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from backends.onnx.user_module import parse_dynamic
+
+    dynamic = parse_dynamic(args.dynamic)
+    names = None
+    if args.input_names is not None:
+        names = [n.strip() for n in args.input_names.split(",")]
+        if not all(n.isidentifier() for n in names):
+            raise RematError(f"--input-names {args.input_names!r}: give names like idx,targets")
+    _writable_file(args.output, "-o")
+    _writable_file(str(Path(args.output).with_suffix(".inputs.npz")), "-o (its inputs file)")
+    try:
+        from backends.onnx.user_module import export_entry
+    except ImportError as exc:
+        raise RematError(f"export needs torch and onnxscript ({exc})") from None
+    path, error = export_entry(args.entry, args.output, names, dynamic or None, args.exporter)
+    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
+          f"(largest relative error {error:.2e})")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from backends.demo import run_demo
 
@@ -391,6 +412,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser(
+        "export", help="export your module's training step to ONNX",
+        description="Export the training step (forward and backward in one graph) of your own module to "
+                    "ONNX, check its loss and gradients against torch, and write it with its example inputs "
+                    "beside it (OUT.inputs.npz). ENTRY is package.module:factory, found as `python -m` finds "
+                    "modules (the current folder first): factory() takes no arguments and returns (module, "
+                    "example_inputs), a torch.nn.Module and a tuple of tensors, such that "
+                    "module(*example_inputs) returns the loss, a floating-point scalar. The graph's inputs "
+                    "are the example inputs then the parameters; its outputs the loss, then one gradient per "
+                    "parameter (grad.NAME). See docs/exporters.md.")
+    p.add_argument("entry", metavar="ENTRY", help="package.module:factory")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--dynamic", action="append", metavar="AXIS=NAME",
+                   help="keep this dim of every input that has it symbolic, named NAME (repeatable: "
+                        "--dynamic 0=batch --dynamic 1=seq); the example inputs' sizes are the example dims")
+    p.add_argument("--input-names", metavar="A,B,...", help="names of the graph's inputs (default input0, ...)")
+    _exporter(p)
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("export-gpt", help="export the GPT-like training step of DESIGN.md to ONNX")
     p.add_argument("-o", "--output", required=True)
     for name, default in (("vocab", 4096), ("d-model", 256), ("layers", 4), ("heads", 4),

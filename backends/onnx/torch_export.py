@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from engine.errors import RematError
 
-from .exporters import EXPORTERS
+from .exporters import EXPORTERS, one_line
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
 
 
@@ -284,16 +284,28 @@ def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol
     return worst
 
 
+def export_checked(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: str | Path,
+                   input_names: list[str] | None = None, dynamic_dims: dict[int, str] | None = None,
+                   max_dims: dict[str, int] | None = None, exporter: str = "make-fx") -> tuple[Path, float]:
+    """Export `module(*inputs) -> loss` as a training step, check it against torch (`verify`), and
+    save it with its inputs beside it: the path and the largest relative error."""
+    try:
+        exported = export_training_step(module, inputs, input_names, dynamic_dims, max_dims, exporter)
+    except RematError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.export and torch.onnx raise many kinds
+        raise RematError(f"the {exporter} exporter could not export the step ({one_line(exc)})") from None
+    error = verify(exported)
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(exported, path), error
+
+
 def export_gpt(cfg, output: str | Path, dynamic: bool = False, exporter: str = "make-fx") -> tuple[Path, float]:
     """Export DESIGN.md's GPT-like training step, check its gradients against torch, save it."""
     from backends.models import gpt
 
     model = gpt(cfg)
-    exported = export_training_step(
-        model, model.example_inputs(), ["idx", "targets"],
-        dynamic_dims={0: "batch", 1: "seq"} if dynamic else None,
-        max_dims={"seq": cfg.seq} if dynamic else None, exporter=exporter)
-    error = verify(exported)
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return save(exported, path), error
+    return export_checked(model, model.example_inputs(), output, ["idx", "targets"],
+                          {0: "batch", 1: "seq"} if dynamic else None,
+                          {"seq": cfg.seq} if dynamic else None, exporter)
