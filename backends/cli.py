@@ -1,4 +1,4 @@
-"""The `remat` command line: check, analyze, apply, explain, measure, export-gpt, pipeline-plan, demo."""
+"""The `remat` command line: check, analyze, apply, explain, measure, export, export-gpt, pipeline-plan, demo."""
 from __future__ import annotations
 
 import argparse
@@ -262,10 +262,34 @@ def cmd_export_gpt(args) -> int:
     from backends.models import GPTConfig
     from backends.onnx.torch_export import export_gpt
 
+    if not 0 <= args.dropout < 1:
+        raise RematError(f"--dropout must be in [0, 1), not {args.dropout}")
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                    seq=args.seq, batch=args.batch)
+                    seq=args.seq, batch=args.batch, dropout=args.dropout)
     with progress("exporting the GPT-like training step and checking its gradients"):
-        path, error = export_gpt(cfg, args.output, dynamic=args.dynamic)
+        path, error = export_gpt(cfg, args.output, dynamic=args.dynamic, exporter=args.exporter)
+    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
+          f"(largest relative error {error:.2e})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from backends.onnx.user_module import parse_dynamic
+
+    dynamic = parse_dynamic(args.dynamic)
+    names = None
+    if args.input_names is not None:
+        names = [n.strip() for n in args.input_names.split(",")]
+        if not all(n.isidentifier() for n in names):
+            raise RematError(f"--input-names {args.input_names!r}: give names like idx,targets")
+    _writable_file(args.output, "-o")
+    _writable_file(str(Path(args.output).with_suffix(".inputs.npz")), "-o (its inputs file)")
+    try:
+        from backends.onnx.user_module import export_entry
+    except ImportError as exc:
+        raise RematError(f"export needs torch and onnxscript ({exc})") from None
+    with progress(f"exporting {args.entry}'s training step and checking its gradients"):
+        path, error = export_entry(args.entry, args.output, names, dynamic or None, args.exporter)
     print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
           f"(largest relative error {error:.2e})")
     return 0
@@ -335,6 +359,14 @@ def _planner(p: argparse.ArgumentParser) -> None:
                    help="device profile for the cost model: cpu (measured once, cached), h100, h200, a100")
 
 
+def _exporter(p: argparse.ArgumentParser) -> None:
+    from backends.onnx.exporters import EXPORTERS
+
+    p.add_argument("--exporter", choices=tuple(EXPORTERS), default="make-fx",
+                   help="how the step is traced before torch.onnx.export(dynamo=True): "
+                        + "; ".join(f"{k}: {v}" for k, v in EXPORTERS.items()))
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -388,12 +420,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="OUT.png|OUT.svg",
                    help="draw memory over the step, simulated and measured, for each model (shaded by plan)")
     p.set_defaults(fn=cmd_measure)
+    p = sub.add_parser(
+        "export", help="export your module's training step to ONNX",
+        description="Export the training step (forward and backward in one graph) of your own module to "
+                    "ONNX, check its loss and gradients against torch, and write it with its example inputs "
+                    "beside it (OUT.inputs.npz). ENTRY is package.module:factory, found as `python -m` finds "
+                    "modules (the current folder first): factory() takes no arguments and returns (module, "
+                    "example_inputs), a torch.nn.Module and a tuple of tensors, such that "
+                    "module(*example_inputs) returns the loss, a floating-point scalar. The graph's inputs "
+                    "are the example inputs then the parameters; its outputs the loss, then one gradient per "
+                    "parameter (grad.NAME). See docs/exporters.md.")
+    p.add_argument("entry", metavar="ENTRY", help="package.module:factory")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--dynamic", action="append", metavar="AXIS=NAME",
+                   help="keep this dim of every input that has it symbolic, named NAME (repeatable: "
+                        "--dynamic 0=batch --dynamic 1=seq); the example inputs' sizes are the example dims")
+    p.add_argument("--input-names", metavar="A,B,...", help="names of the graph's inputs (default input0, ...)")
+    _exporter(p)
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("export-gpt", help="export the GPT-like training step (docs/design.md) to ONNX")
     p.add_argument("-o", "--output", required=True)
     for name, default in (("vocab", 4096), ("d-model", 256), ("layers", 4), ("heads", 4),
                           ("seq", 512), ("batch", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dynamic", action="store_true", help="keep batch and seq symbolic (dim_param)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the attention probabilities and the residual branches (gradients are "
+                        "checked with it off)")
+    _exporter(p)
     p.set_defaults(fn=cmd_export_gpt)
     p = sub.add_parser("pipeline-plan", help="pipeline stages' layers and each layer's recompute option, "
                                              "solved together (seed 004)")

@@ -25,6 +25,9 @@ class GPTConfig:
     # "explicit" writes attention out (softmax visible to the rules); "sdpa" calls
     # F.scaled_dot_product_attention, as GPU models do (flash / memory-efficient kernels).
     attention: str = "explicit"
+    # Dropout on the attention probabilities and on each block's two residual branches (nanoGPT's
+    # places), in training mode; 0 leaves no dropout in the graph.
+    dropout: float = 0.0
 
 
 DEMO_CONFIG = GPTConfig(vocab=2048, d_model=128, layers=2, heads=4, seq=256, batch=8)
@@ -32,7 +35,7 @@ DESIGN_CONFIG = GPTConfig()
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, attention: str = "explicit"):
+    def __init__(self, d: int, heads: int, attention: str = "explicit", dropout: float = 0.0):
         super().__init__()
         if attention not in ("explicit", "sdpa"):
             raise ValueError(f"attention must be 'explicit' or 'sdpa', not {attention!r}")
@@ -44,6 +47,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
+        self.dropout = dropout
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -53,14 +58,15 @@ class Block(nn.Module):
         k = k.view(b, t, h, d // h).transpose(1, 2)
         v = v.view(b, t, h, d // h).transpose(1, 2)
         if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // h) ** 0.5)
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+            y = self.drop(scores.masked_fill(~causal, float("-inf")).softmax(-1)) @ v
         y = y.transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class GPT(nn.Module):
@@ -69,7 +75,8 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, cfg.attention) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads, cfg.attention, cfg.dropout)
+                                    for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 

@@ -169,6 +169,36 @@ class CostDecl:
 
 
 @dataclass
+class TemplateArg:
+    kind: str                  # capture | literal | nested | attr
+    loc: SourceLocation
+    name: str | None = None    # the capture, or the attribute's name
+    value: Any = None          # the literal, the nested TemplateCall, or the attribute's AttrValue
+
+
+@dataclass
+class TemplateCall:
+    """An op applied in a replay's template: `CastLike(mask, x)`."""
+
+    op: OpRef
+    args: list[TemplateArg]
+    loc: SourceLocation
+
+
+@dataclass
+class ReplayDecl:
+    """`replay y, mask = Dropout(x, ratio, _) as TEMPLATE`: a nondeterministic op recomputed from
+    the random values an output keeps. `pattern` is parsed as a match pattern; the compiler takes
+    captures and `_` only."""
+
+    targets: list[Target]
+    pattern: NodePat
+    template: TemplateCall
+    loc: SourceLocation
+    text: str = ""
+
+
+@dataclass
 class RuleDecl:
     name: str
     loc: SourceLocation
@@ -187,4 +217,5 @@ class RuleFile:
     families: list[FamilyDecl] = field(default_factory=list)
     op_decls: list[OpDecl] = field(default_factory=list)
     costs: list[CostDecl] = field(default_factory=list)
+    replays: list[ReplayDecl] = field(default_factory=list)
     rules: list[RuleDecl] = field(default_factory=list)

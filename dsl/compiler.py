@@ -1,9 +1,9 @@
 """AST -> engine.patterns, with the semantic checks.
 
 Rules become engine.patterns.Rule; op facts (families, views, recomputable, chunkable, ...)
-and `cost` declarations become the RuleSet's tables (costs: engine.patterns.CostFormula, one
-per op name; a later file's declaration overrides an earlier file's, two in one file are an
-error).
+and `cost` and `replay` declarations become the RuleSet's tables (engine.patterns.CostFormula and
+Replay, one per op name; a later file's declaration overrides an earlier file's, two in one file
+are an error).
 
 Every problem becomes a Diagnostic with its file:line:col; all of a file's
 problems are reported together. Names that are close to a known one get a
@@ -14,6 +14,7 @@ that cannot work, a pattern or expression past the nesting limits (dsl.limits).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ from engine.guards import BUILTINS, CONSTANTS, SIZE_UNITS
 from engine.onnx_ops import ONNX_OPS
 from engine.op_cost import COST_BUILTINS
 from engine.strategies.chunk import CHUNK_KINDS
+from engine.strategies.replay import TEMPLATE_OPS
+from engine.strategies.replay import captures as replay_captures
 
 from . import ast
 from .errors import Diagnostic, did_you_mean
@@ -58,6 +61,7 @@ class Compiler:
         self.diagnostics: list[Diagnostic] = []
         self.rules: list[P.Rule] = []
         self.costs: dict[str, P.CostFormula] = {}
+        self.replays: dict[str, P.Replay] = {}
         self._family_ops: dict[str, frozenset[str]] = {}
 
     def error(self, message: str, loc: SourceLocation, hint: str = "") -> None:
@@ -158,17 +162,25 @@ class Compiler:
         order: a module before the files that `use` it) overrides an earlier file's for every op
         it names; two declarations in one file for one op are an error."""
         for decl in file.costs:
-            formula = _CostCompiler(self, decl, file_order).compile()
-            if formula is None:
+            self._per_op(self.costs, _CostCompiler(self, decl, file_order).compile(), decl, "cost")
+
+    def compile_replays(self, file: ast.RuleFile, file_order: int) -> None:
+        """`replay` declarations: one per op name, as for costs."""
+        for decl in file.replays:
+            self._per_op(self.replays, _ReplayCompiler(self, decl, file_order).compile(), decl, "replay")
+
+    def _per_op(self, table: dict[str, Any], item: Any, decl: Any, what: str) -> None:
+        """`item` (compiled from `decl`, None when refused) as the `what` of each op it names."""
+        if item is None:
+            return
+        for op in sorted(item.ops):
+            prev = table.get(op)
+            if prev is not None and prev.location.file == decl.loc.file:
+                self.error(f"the {what} of {op!r} is declared twice in this file (first at {prev.location})",
+                           self._ref_naming(decl.pattern.ops, op),
+                           f"a file declares one {what} per op (a later file may override it)")
                 continue
-            for op in sorted(formula.ops):
-                prev = self.costs.get(op)
-                if prev is not None and prev.location.file == decl.loc.file:
-                    self.error(f"the cost of {op!r} is declared twice in this file (first at {prev.location})",
-                               self._ref_naming(decl.pattern.ops, op),
-                               "a file declares one cost per op (a later file may override it)")
-                    continue
-                self.costs[op] = formula
+            table[op] = item
 
     def _ref_naming(self, refs: list[ast.OpRef], op: str) -> SourceLocation:
         """Where `refs` name `op`: the ref itself, or the family that stands for it."""
@@ -361,21 +373,7 @@ class _RuleCompiler:
                            f"{self.single[name]}", loc, "give the variadic capture a name of its own")
 
     def _attr(self, value: ast.AttrValue) -> Any:
-        if value.kind in ("number", "string"):
-            return value.value
-        if value.kind == "list":
-            items = [self._attr(v) for v in value.value]
-            return _INVALID if _INVALID in items else items
-        name = value.value
-        if name in CONSTANTS:
-            return CONSTANTS[name]
-        try:
-            return DType.from_name(name)
-        except ValueError:
-            self.error(f"unknown attribute value {name!r}", value.loc,
-                       did_you_mean(name, set(dtype_names()) | set(CONSTANTS))
-                       or "attribute values are numbers, \"strings\", lists, true/false or dtype names")
-            return _INVALID
+        return attr_value(value, self.error)
 
     def _type(self, annot: ast.TypeAnnot, captures: set[str]) -> P.TypePattern | None:
         if annot.name not in captures:
@@ -583,10 +581,12 @@ def _expr(expr: ast.Expr, captures: set[str], error: Report,
     return P.Expr(kind, expr.loc, expr.value, args, expr.text)
 
 
-class _CostCompiler:
-    """`cost y = Op(a, b, rest...) flops EXPR [bytes EXPR]` -> engine.patterns.CostFormula."""
+class _PositionalCompiler:
+    """A declaration that binds one op's outputs and inputs by position (`cost`, `replay`)."""
 
-    def __init__(self, owner: Compiler, decl: ast.CostDecl, file_order: int):
+    what = "a declaration"
+
+    def __init__(self, owner: Compiler, decl, file_order: int):
         self.owner = owner
         self.decl = decl
         self.file_order = file_order
@@ -601,13 +601,15 @@ class _CostCompiler:
         else:
             self.bound[name] = loc
 
-    def compile(self) -> P.CostFormula | None:
+    def bind_positions(self, variadic_allowed: bool) -> tuple[frozenset[str], list[str | None],
+                                                              list[str | None], str | None]:
+        """The op names, the outputs and inputs bound by position, and the variadic tail."""
         decl = self.decl
         pat = decl.pattern
-        before = len(self.owner.diagnostics)
+        what = self.what
         ops = self.owner.resolve_ops(pat.ops)
         if pat.commutative:
-            self.error("a cost binds the op's inputs by position: write `Op(a, b)`, not `Op{a, b}`", pat.loc)
+            self.error(f"{what} binds the op's inputs by position: write `Op(a, b)`, not `Op{{a, b}}`", pat.loc)
         outputs: list[str | None] = []
         for target in decl.targets:
             outputs.append(target.name)
@@ -619,14 +621,17 @@ class _CostCompiler:
             if variadic is not None:
                 self.error("a variadic capture `xs...` must be the last input", arg.loc)
             if arg.kind == "attr":
-                self.error("a cost does not constrain attributes: it covers every node of the op", arg.loc,
+                self.error(f"{what} does not constrain attributes: it covers every node of the op", arg.loc,
                            "bind the op's inputs with captures (x), `_` or a variadic tail (rest...)")
             elif arg.kind == "nested":
-                self.error("a cost binds the op's own inputs: it takes no nested pattern", arg.loc,
+                self.error(f"{what} binds the op's own inputs: it takes no nested pattern", arg.loc,
                            "write a capture (x) or `_` here")
             elif arg.kind == "wildcard":
                 inputs.append(None)
             elif arg.kind == "variadic":
+                if not variadic_allowed:
+                    self.error(f"{what} binds each input it reads by position: no variadic tail", arg.loc,
+                               "write a capture (x) or `_` for each input up to the last one read")
                 variadic = arg.name
                 self._bind(arg.name, arg.loc)
             else:
@@ -634,6 +639,18 @@ class _CostCompiler:
                 self._bind(arg.name, arg.loc)
         if ops and len(decl.targets) > 1:
             check_signatures({op: self.owner.signature(op) for op in sorted(ops)}, [], decl.targets, self.error)
+        return ops, outputs, inputs, variadic
+
+
+class _CostCompiler(_PositionalCompiler):
+    """`cost y = Op(a, b, rest...) flops EXPR [bytes EXPR]` -> engine.patterns.CostFormula."""
+
+    what = "a cost"
+
+    def compile(self) -> P.CostFormula | None:
+        decl = self.decl
+        before = len(self.owner.diagnostics)
+        ops, outputs, inputs, variadic = self.bind_positions(variadic_allowed=True)
         kinds = {name: VARIADIC if name == variadic else VALUE for name in self.bound}
         checker = TypeChecker(kinds, {}, self.error)
         flops = self._formula(decl.flops, "flops", checker)
@@ -659,6 +676,98 @@ class _CostCompiler:
             self.error(f"`{what}` is {typed.const}: a cost cannot be negative", compiled.location)
             return None
         return compiled
+
+
+class _ReplayCompiler(_PositionalCompiler):
+    """`replay y, mask = Op(x, ratio, _) as TEMPLATE` -> engine.patterns.Replay."""
+
+    what = "a replay"
+
+    def compile(self) -> P.Replay | None:
+        decl = self.decl
+        before = len(self.owner.diagnostics)
+        ops, outputs, inputs, _ = self.bind_positions(variadic_allowed=False)
+        for op in sorted(ops):
+            if op not in self.owner.scope.nondeterministic:
+                self.error(f"{op!r} is not declared nondeterministic: it recomputes as it is, with no replay",
+                           self.owner._ref_naming(decl.pattern.ops, op),
+                           f"declare it `nondeterministic {op}`, or drop the replay")
+        template = self._call(decl.template)
+        read = set() if template is None else replay_captures(template)
+        saved = [k for k, name in enumerate(outputs) if name is not None and name in read]
+        unread = [k for k, name in enumerate(outputs) if name is not None and name not in read]
+        if template is not None and not saved:
+            self.error("the template reads none of the op's outputs: a replay computes one output from the "
+                       "random values another keeps", decl.template.loc,
+                       f"read the kept output ({', '.join(n for n in outputs if n) or 'bind it first'})")
+        if template is not None and len(unread) != 1:
+            self.error(f"a replay computes one output, the one its template does not read; this one leaves "
+                       f"{len(unread)} unread", decl.loc,
+                       "bind the replayed output and the outputs the template reads; write `_` for the rest")
+        if len(self.owner.diagnostics) > before or not ops or template is None:
+            return None
+        return P.Replay(ops, tuple(outputs), tuple(inputs), template, unread[0], tuple(saved), decl.loc,
+                        decl.text, self.file_order)
+
+    def _call(self, call: ast.TemplateCall) -> P.TemplateCall | None:
+        ok = True
+        ops = self.owner.resolve_ops([call.op])
+        op = next(iter(ops), None)
+        if op is not None and (len(ops) != 1 or op not in TEMPLATE_OPS):
+            self.error(f"a replay's template applies elementwise ops, casts and Where, not {call.op.name!r}",
+                       call.op.loc, did_you_mean(call.op.name, set(TEMPLATE_OPS))
+                       or f"the ops a template may apply: {', '.join(sorted(TEMPLATE_OPS))}")
+            ok = False
+        args: list[Any] = []
+        attrs: list[tuple[str, Any]] = []
+        constrained = []
+        for arg in call.args:
+            if arg.kind == "capture":
+                if arg.name not in self.bound:
+                    self.error(f"unknown capture {arg.name!r} in the template", arg.loc,
+                               did_you_mean(arg.name, set(self.bound)) or
+                               "a template reads the op's inputs and outputs the replay binds")
+                    ok = False
+                args.append(arg.name)
+            elif arg.kind == "literal":
+                args.append(arg.value)
+            elif arg.kind == "nested":
+                inner = self._call(arg.value)
+                ok = ok and inner is not None
+                args.append(inner)
+            else:
+                value = attr_value(arg.value, self.error)
+                ok = ok and value is not _INVALID
+                attrs.append((arg.name, value))
+                constrained.append((arg, None if value is _INVALID else value))
+        if op is not None and ok:
+            check_signatures({op: self.owner.signature(op)}, constrained, [], self.error)
+        if op == "Cast" and "to" not in dict(attrs):
+            self.error("Cast needs its `to` attribute in a template: `Cast(x, to=float32)`", call.loc)
+            ok = False
+        if not ok or op is None:
+            return None
+        return P.TemplateCall(op, tuple(args), tuple(attrs), call.loc)
+
+
+def attr_value(value: ast.AttrValue, error: Callable[..., None]) -> Any:
+    """An attribute value as the engine compares it: numbers, strings, lists, constants (true,
+    false) and dtype names (DType); _INVALID, reported, for an unknown name."""
+    if value.kind in ("number", "string"):
+        return value.value
+    if value.kind == "list":
+        items = [attr_value(v, error) for v in value.value]
+        return _INVALID if _INVALID in items else items
+    name = value.value
+    if name in CONSTANTS:
+        return CONSTANTS[name]
+    try:
+        return DType.from_name(name)
+    except ValueError:
+        error(f"unknown attribute value {name!r}", value.loc,
+              did_you_mean(name, set(dtype_names()) | set(CONSTANTS))
+              or "attribute values are numbers, \"strings\", lists, true/false or dtype names")
+        return _INVALID
 
 
 def _arg_names(pat: ast.NodePat) -> set[str]:

@@ -24,10 +24,10 @@ from .errors import Diagnostic
 MAX_LITERAL = 2**63           # every number literal lies strictly between -MAX_LITERAL and MAX_LITERAL
 MAX_CHUNK_DIM = 64            # `chunk ... along D` needs |D| < MAX_CHUNK_DIM
 
-_PATTERNS = {"ordered_pat", "commutative_pat"}
+_PATTERNS = {"ordered_pat", "commutative_pat", "template"}
 _CHAINS = {"or_expr", "and_expr", "sum", "product"}      # n operands fold into n - 1 nested binops
 _EXPRS = _CHAINS | {"not_op", "comparison", "neg", "number", "call", "name", "string"}
-_STATEMENTS = {"binding", "require", "chunk_action"}
+_STATEMENTS = {"binding", "require", "chunk_action", "replay_decl"}
 
 
 def too_deep(what: str, limit: int, loc: SourceLocation) -> Diagnostic:

@@ -127,6 +127,7 @@ def _compile(loader: _Loader) -> RuleSet:
             compiler.declare(file)
         for order, file in enumerate(loader.order):
             compiler.compile_costs(file, order)
+            compiler.compile_replays(file, order)
             compiler.compile_rules(file)
     except RecursionError:      # the last resort: the nesting limits should make this unreachable
         where = loader.order[-1].path if loader.order else "<string>"
@@ -142,4 +143,4 @@ def _compile(loader: _Loader) -> RuleSet:
     return RuleSet(compiler.rules, dict(scope.recomputable), frozenset(scope.views),
                    frozenset(scope.nondeterministic), sorted(loader.sources), digest.hexdigest(),
                    dict(scope.chunkable), frozenset(scope.linear_in_gradient),
-                   frozenset(scope.additive_in_gradient), dict(compiler.costs))
+                   frozenset(scope.additive_in_gradient), dict(compiler.costs), dict(compiler.replays))

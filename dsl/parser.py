@@ -137,6 +137,8 @@ class _Builder(Transformer_NonRecursive):
                 out.op_decls.append(item)
             elif isinstance(item, ast.CostDecl):
                 out.costs.append(item)
+            elif isinstance(item, ast.ReplayDecl):
+                out.replays.append(item)
             elif isinstance(item, ast.RuleDecl):
                 out.rules.append(item)
         return out
@@ -235,6 +237,28 @@ class _Builder(Transformer_NonRecursive):
         extra = children[3] if len(children) > 3 else None
         return ast.CostDecl(targets, pattern, flops, extra[1] if extra else None, self._loc(meta),
                             self._text(meta).strip())
+
+    @v_args(meta=True)
+    def replay_decl(self, meta, children):
+        targets, pattern, template = children
+        return ast.ReplayDecl(targets, pattern, template, self._loc(meta), self._text(meta).strip())
+
+    @v_args(meta=True)
+    def template(self, meta, children):
+        return ast.TemplateCall(children[0], list(children[1:]), self._loc(meta))
+
+    def template_attr(self, children):
+        return ast.TemplateArg("attr", self._loc(children[0]), str(children[0]), children[1])
+
+    def template_capture(self, children):
+        return ast.TemplateArg("capture", self._loc(children[0]), str(children[0]))
+
+    def template_literal(self, children):
+        tok = children[0]
+        return ast.TemplateArg("literal", self._loc(tok), value=self._number(tok))
+
+    def template_nested(self, children):
+        return ast.TemplateArg("nested", children[0].loc, value=children[0])
 
     def cost_bytes(self, children):
         return ("bytes", children[0])

@@ -13,7 +13,7 @@ from .matcher import Match, MatchContext, Reason, match
 from .patterns import RuleSet
 from .plan_type import PlanType
 from .plans import ConfigEntry, Plan, parse_config, select
-from .strategies.chunk import ChunkRegion, grow_chunk, slice_sizes
+from .strategies.chunk import ChunkRegion, grow_chunk
 from .strategies.recompute import Region, Rewriter, StashState, grow
 
 
@@ -119,7 +119,7 @@ def _selected(plans: list[Plan], selection: dict[Site, int | None]) -> list[tupl
         for r in picked:
             count = selection[Site(r.match.rule.name, r.match.root.name)]
             if isinstance(r, ChunkRegion) and count is not None:
-                r.chunks = slice_sizes(sum(r.chunks), count)
+                r.reslice(count)
             chosen.append((p, r))
     return chosen
 

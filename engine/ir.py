@@ -143,6 +143,9 @@ class Graph:
     meta: dict[str, Any] = field(default_factory=dict)
     # The forward part's outputs (by default the first graph output, the loss).
     forward_outputs: list[str] | None = None
+    # The backend that owns the graph computes a chunk region's slices in the graph (ONNX: from
+    # `Shape`), so slices of a dynamic size are planned; otherwise they are refused.
+    symbolic_slices: bool = False
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -215,7 +218,7 @@ class Graph:
                          meta=dict(n.meta), backend_nodes=list(n.backend_nodes))
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
-                     dict(self.dim_examples), dict(self.meta), self.forward_outputs)
+                     dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.symbolic_slices)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

@@ -233,6 +233,35 @@ class CostFormula:
             _check_depth(self.bytes, self.location)
 
 
+@dataclass(frozen=True)
+class TemplateCall:
+    """An op a replay's template applies: its arguments are capture names (str), number literals
+    (int, float) and nested calls; `attrs` as (name, value) pairs."""
+
+    op: str
+    args: tuple["str | int | float | TemplateCall", ...]
+    attrs: tuple[tuple[str, Any], ...]
+    location: SourceLocation
+
+
+@dataclass(eq=False)
+class Replay:
+    """`replay y, mask = Dropout(x, ratio, _) as TEMPLATE`: a nondeterministic op run again from
+    the random values its `saved` outputs keep. `outputs` and `inputs` name the node's outputs and
+    inputs by position (None: `_`); the template computes output `replayed` from them
+    (engine.strategies.replay). `file_order` as for CostFormula."""
+
+    ops: frozenset[str]
+    outputs: tuple[str | None, ...]
+    inputs: tuple[str | None, ...]
+    template: TemplateCall
+    replayed: int
+    saved: tuple[int, ...]
+    location: SourceLocation
+    text: str = ""
+    file_order: int = 0
+
+
 @dataclass
 class RuleSet:
     """Rules plus the op facts the rule files declare (which ops are views, recomputable, random,
@@ -250,6 +279,8 @@ class RuleSet:
     # op -> its cost formula, for every name a `cost` declaration resolves to (backend spellings
     # such as aten::addmm included); engine.op_cost.node_cost picks a node's
     costs: dict[str, CostFormula] = field(default_factory=dict)
+    # op -> how it replays its random values (a nondeterministic op without one is not recomputed)
+    replays: dict[str, Replay] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._index: dict[str, list[Rule]] | None = None

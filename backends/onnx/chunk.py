@@ -20,14 +20,19 @@ unchunked, 887 MiB unrolled, 411 MiB as a Loop; step time 1.05x and 1.09x the or
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+import sympy
 from onnx import numpy_helper
 
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
+from engine.shapes import Dim, simplify
 from engine.strategies.chunk import ChunkPhase, ChunkRegion
+
+from .formulas import DimEmitter
 
 # Where an op's target shape sits among its inputs: rewritten to the slice's size when the op
 # makes a sliced value from a constant shape.
@@ -59,6 +64,45 @@ def _static(v: Value) -> list[int]:
         raise GraphError(f"%{v.name} has no static shape ({v.type_str}); the ONNX backend builds chunk "
                          f"regions of static shapes only")
     return list(v.shape)
+
+
+def _rank(v: Value) -> int:
+    if v.shape is None:
+        raise GraphError(f"%{v.name} has no known rank; the ONNX backend slices values of known rank only")
+    return len(v.shape)
+
+
+@dataclass
+class _Run:
+    """`count` slices of `size` rows from `offset`: numbers, or, in a region over a dynamic size,
+    values computed in the graph (`count` a scalar), with their formulas for the IR's shapes."""
+
+    size: int | Value
+    count: int | Value
+    offset: int | Value
+    size_dim: Dim
+    count_dim: Dim
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.size, int) and isinstance(self.count, int)
+
+
+def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
+    """The region's slices as runs of one size. A dynamic region: slices of `region.slice_size`
+    computed from the graph's shapes (at least one), then one more of what is left, which may be
+    empty (every shape stays the same from slice to slice, as a Loop's scan outputs must)."""
+    if region.extent is None:
+        return [_Run(size, count, offset, size, count) for size, count, offset in _groups(region.chunks)]
+    dims = DimEmitter(graph, g.add, g.const)
+    extent, size_dim = region.extent, region.slice_size
+    n, size = dims.emit(extent), dims.emit(size_dim)
+    count = g.add("Div", [n, size], "slice_count", DType.INT64, (1,))
+    done = g.add("Mul", [count, size], "sliced_rows", DType.INT64, (1,))
+    rest = g.add("Sub", [n, done], "rest_rows", DType.INT64, (1,))
+    count_dim = sympy.floor(extent / size_dim)
+    return [_Run(size, dims.scalar(count, "trip_count"), 0, size_dim, count_dim),
+            _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1)]
 
 
 def _sliced_shape(v: Value, dim: int | None, size: int) -> tuple | None:
@@ -93,23 +137,29 @@ class _Graph:
 def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str], str]) -> None:
     """The region reads values computed, through a shape or a type only, from its own outputs
     (the gradient seed `ones_like(loss)` is built from the loss's shape and type). Written
-    with the shape and type as constants, they no longer wait for the region."""
+    with the shape and type as constants, they no longer wait for the region. Only such cycles,
+    phase by phase: a two-phase region's backward inputs wait for everything after its forward
+    phase, and rewriting every type read there would replace nodes other regions hold."""
     region_ids = {id(n) for n in region.nodes}
-    after = _downstream(graph, {id(o) for o in region.outputs})
-    before: set[int] = set()
-    stack = [v for phase in region.phases for v in phase.inputs]
-    while stack:
-        v = stack.pop()
-        p = v.producer
-        if p is None or id(p) in region_ids or id(p) in before:
-            continue
-        before.add(id(p))
-        stack.extend(p.present_inputs())
+    cycles: set[int] = set()        # nodes a phase's inputs wait for that read its outputs' type
+    for phase in region.phases:
+        after = _downstream(graph, {id(o) for o in phase.outputs})
+        before: set[int] = set()
+        stack = list(phase.inputs)
+        while stack:
+            v = stack.pop()
+            p = v.producer
+            if p is None or id(p) in region_ids or id(p) in before:
+                continue
+            before.add(id(p))
+            stack.extend(p.present_inputs())
+        cycles.update(id(n) for n in graph.nodes if id(n) in before and (
+            (n.op == "Shape" and id(n.inputs[0]) in after) or (n.op == "CastLike" and id(n.inputs[1]) in after)))
     made = []
     for k, node in enumerate(graph.nodes):
-        if id(node) not in before:
+        if id(node) not in cycles:
             continue
-        if node.op == "Shape" and id(node.inputs[0]) in after:
+        if node.op == "Shape":
             shape = _static(node.inputs[0])
             start, end = node.attrs.get("start", 0), node.attrs.get("end")
             c = _constant(names, f"{node.outputs[0].name}_static", np.array(shape[start:end], np.int64))
@@ -118,7 +168,7 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str],
                 user.replace_input(node.outputs[0], c)
             graph.outputs = [c if v is node.outputs[0] else v for v in graph.outputs]
             graph.nodes[k] = None
-        elif node.op == "CastLike" and id(node.inputs[1]) in after:
+        else:
             graph.nodes[k] = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype},
                                   node.name)
     graph.nodes = [n for n in graph.nodes if n is not None]
@@ -134,29 +184,62 @@ def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
     return out
 
 
-def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], size: int, offset: int,
-          sums: list[Value], scans: list[Value]) -> Graph:
-    """The Loop body for slices of `size` starting at `offset`: (iteration, cond, partial sums)
-    in, (cond, partial sums, sliced outputs) out."""
+def _total_weight(g: _Graph, node: Node, region: ChunkRegion) -> Value:
+    """The total weight a NegativeLogLikelihoodLoss mean divides by, over its whole target:
+    the summed class weight of the labels not ignored (their count without a weight)."""
+    target, weight = node.inputs[1], node.inputs[2] if len(node.inputs) > 2 else None
+    if any(target.producer is n for n in region.nodes):
+        raise GraphError(f"{node.op} {node.name}: its target %{target.name} is computed slice by slice")
+    dtype = node.outputs[0].dtype
+    ignore = node.attrs.get("ignore_index")
+    kept = None
+    if ignore is not None:
+        equal = g.add("Equal", [target, g.const("ignore_index", np.array(int(ignore), np.int64))],
+                      f"{node.name}_ignored", DType.BOOL, target.shape)
+        kept = g.add("Not", [equal], f"{node.name}_kept", DType.BOOL, target.shape)
+    if weight is None:
+        if kept is None:
+            count = g.add("Size", [target], f"{node.name}_count", DType.INT64, ())
+            return g.add("Cast", [count], f"{node.name}_total_weight", dtype, (), {"to": dtype})
+        weights = g.add("Cast", [kept], f"{node.name}_weights", dtype, target.shape, {"to": dtype})
+    else:
+        label = target if kept is None else g.add(
+            "Where", [kept, target, g.const("label_zero", np.array(0, np.int64))], f"{node.name}_label",
+            target.dtype, target.shape)
+        weights = g.add("Gather", [weight, label], f"{node.name}_weights", dtype, target.shape)
+        if kept is not None:
+            weights = g.add("Mul", [weights, g.add("Cast", [kept], f"{node.name}_kept_weight", dtype,
+                                                   target.shape, {"to": dtype})],
+                            f"{node.name}_kept_weights", dtype, target.shape)
+    return g.add("ReduceSum", [weights], f"{node.name}_total_weight", dtype, (), {"keepdims": 0})
+
+
+def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], run: _Run,
+          sums: list[Value], scans: list[Value], divisors: dict[int, Value]) -> Graph:
+    """The Loop body for the slices of `run`: (iteration, cond, partial sums) in, (cond, partial
+    sums, sliced outputs) out. A mean in `divisors` (region.means) runs as a sum, divided by its
+    total weight over every slice."""
     g = _Graph(names)
     iteration = Value(names("iteration"), DType.INT64, ())
     cond = Value(names("cond"), DType.BOOL, ())
-    carried = [Value(names(f"{o.name}_sum_in"), o.dtype, o.shape) for o in sums]
+    # A partial sum of a dynamic shape starts as a scalar zero and takes its shape from the first slice.
+    carried = [Value(names(f"{o.name}_sum_in"), o.dtype, o.shape if _is_static(o) else None) for o in sums]
+    size = run.size if isinstance(run.size, Value) else g.const("slice_size", np.array([run.size], np.int64))
+    offset = run.offset if isinstance(run.offset, Value) else g.const("first_offset",
+                                                                      np.array([run.offset], np.int64))
     index = g.add("Reshape", [iteration, g.const("one_dim", np.array([1], np.int64))], "slice_index",
                   DType.INT64, (1,))
-    start = g.add("Add", [g.add("Mul", [index, g.const("slice_size", np.array([size], np.int64))],
-                                "slice_offset", DType.INT64, (1,)),
-                          g.const("first_offset", np.array([offset], np.int64))], "slice_start", DType.INT64, (1,))
-    end = g.add("Add", [start, g.const("slice_size", np.array([size], np.int64))], "slice_end",
-                DType.INT64, (1,))
+    start = g.add("Add", [g.add("Mul", [index, size], "slice_offset", DType.INT64, (1,)), offset],
+                  "slice_start", DType.INT64, (1,))
+    end = g.add("Add", [start, size], "slice_end", DType.INT64, (1,))
     env: dict[int, Value] = {}
     for v in phase.inputs:
         m = region.meta_of(v)
         if m.dim is None:
             continue
-        rank = len(_static(v))
-        env[id(v)] = g.add("Slice", [v, start, end, g.const("slice_axis", np.array([m.dim % rank], np.int64))],
-                           f"{v.name}_slice", v.dtype, _sliced_shape(v, m.dim, size))
+        axis = g.const("slice_axis", np.array([m.dim % _rank(v)], np.int64))
+        env[id(v)] = g.add("Slice", [v, start, end, axis], f"{v.name}_slice", v.dtype,
+                           _sliced_shape(v, m.dim, run.size_dim))
     elided = {id(n) for n in region.elided}
     for node in phase.nodes:
         if id(node) in elided:
@@ -166,10 +249,19 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], s
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
-            inputs[position] = _resized_shape(g, node, node.inputs[position], m.dim, size)
-        outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, size))
+            inputs[position] = _resized_shape(g, node, node.inputs[position], m.dim, run, size)
+        outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, run.size_dim))
                 for o in node.outputs]
-        g.nodes.append(Node(node.op, inputs, outs, dict(node.attrs), names(f"{node.name}_slice"),
+        attrs = dict(node.attrs)
+        if id(node) in divisors:
+            attrs["reduction"] = "sum"
+            summed = Value(names(f"{node.outputs[0].name}_slice_sum"), outs[0].dtype, outs[0].shape)
+            g.nodes.append(Node(node.op, inputs, [summed], attrs, names(f"{node.name}_slice"),
+                                attr_defaults=node.attr_defaults))
+            g.nodes.append(Node("Div", [summed, divisors[id(node)]], outs, {}, names(f"{node.name}_mean")))
+            env[id(node.outputs[0])] = outs[0]
+            continue
+        g.nodes.append(Node(node.op, inputs, outs, attrs, names(f"{node.name}_slice"),
                             attr_defaults=node.attr_defaults))
         for o, new in zip(node.outputs, outs):
             env[id(o)] = new
@@ -180,16 +272,36 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], s
                  g.initializers, name=names("chunk_body"))
 
 
-def _resized_shape(g: _Graph, node: Node, shape: Value, dim: int, size: int) -> Value:
+def _is_static(v: Value) -> bool:
+    return v.shape is not None and all(isinstance(d, int) for d in v.shape)
+
+
+def _resized_shape(g: _Graph, node: Node, shape: Value, dim: int, run: _Run, size: Value) -> Value:
+    """`shape` (the target shape an op reads) with the slice's size at `dim`."""
     ints = shape.ints
-    if ints is None:
-        raise GraphError(f"{node.op} {node.name} makes a sliced value from a computed shape (%{shape.name}); "
-                         f"remat can rewrite only a constant one")
-    ints = list(ints)
-    dim = dim % len(ints)
-    if ints[dim] != -1:
-        ints[dim] = size
-    return g.const(f"{shape.name}_slice", np.array(ints, np.int64))
+    if ints is not None:
+        ints = list(ints)
+        dim = dim % len(ints)
+        if ints[dim] == -1:
+            return shape
+        if isinstance(run.size, int):
+            ints[dim] = run.size
+            return g.const(f"{shape.name}_slice", np.array(ints, np.int64))
+        parts = [g.const(f"{shape.name}_head", np.array(ints[:dim], np.int64)), size,
+                 g.const(f"{shape.name}_tail", np.array(ints[dim + 1:], np.int64))]
+    else:
+        if shape.shape is None or len(shape.shape) != 1 or not isinstance(shape.shape[0], int):
+            raise GraphError(f"{node.op} {node.name} makes a sliced value from the shape %{shape.name}, "
+                             f"whose length is not known")
+        dim = dim % shape.shape[0]
+        parts = [g.add("Slice", [shape, g.const("zero", np.array([0], np.int64)),
+                                 g.const("dim", np.array([dim], np.int64))], f"{shape.name}_head", DType.INT64,
+                       (dim,)),
+                 size,
+                 g.add("Slice", [shape, g.const("after_dim", np.array([dim + 1], np.int64)),
+                                 g.const("end", np.array([shape.shape[0]], np.int64))], f"{shape.name}_tail",
+                       DType.INT64, (shape.shape[0] - dim - 1,))]
+    return g.add("Concat", parts, f"{shape.name}_slice", DType.INT64, shape.shape, {"axis": 0})
 
 
 def _groups(chunks: list[int]) -> list[tuple[int, int, int]]:
@@ -204,37 +316,43 @@ def _groups(chunks: list[int]) -> list[tuple[int, int, int]]:
     return groups
 
 
-def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str],
+def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
                  unrolled: bool = False) -> tuple[list[Node], list[Value]]:
     """The Loops of one phase (or, `unrolled`, their bodies written out once per slice) and
     what combines their results into the phase's outputs (the original output Values, so
     readers and graph outputs keep their names)."""
+    names = graph.fresh_name
     g = _Graph(names)
+    if unrolled and region.extent is not None:
+        raise GraphError("slices of a dynamic size run as Loops only, not unrolled")
     sums = [o for o in phase.outputs if region.meta_of(o).need_sum]
     scans = [o for o in phase.outputs if not region.meta_of(o).need_sum]   # sliced: the grower refuses others
-    scan_dims = [region.meta_of(o).dim % len(_static(o)) for o in scans]
-    totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(_static(o), np.int64))],
+    scan_dims = [region.meta_of(o).dim % _rank(o) for o in scans]
+    totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
-                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) for o in sums]
+                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if _is_static(o)
+              else g.const(f"{o.name}_zero", np.zeros((), _numpy_dtype(o.dtype))) for o in sums]
     pieces: list[list[Value]] = [[] for _ in scans]
-    for size, count, offset in _groups(region.chunks):
-        body = _body(phase, region, names, size, offset, sums, scans)
+    means = {id(n) for n in region.means}
+    divisors = {id(n): _total_weight(g, n, region) for n in phase.nodes if id(n) in means}
+    for run in _runs(g, region, graph):
+        body = _body(phase, region, names, run, sums, scans, divisors)
         if unrolled:
             g.initializers.extend(body.initializers)
-            for it in range(count):
+            for it in range(run.count):
                 totals, sliced = _inline(g, body, it, totals)
                 for k, s in enumerate(sliced):
                     pieces[k].append(s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
-        stacked = [Value(names(f"{o.name}_stacked"), o.dtype, (count, *_sliced_shape(o, dim, size)))
+        stacked = [Value(names(f"{o.name}_stacked"), o.dtype, (run.count_dim, *_sliced_shape(o, dim, run.size_dim)))
                    for o, dim in zip(scans, scan_dims)]
-        trip = g.const("trip_count", np.array(count, np.int64))
+        trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}))
         totals = outs
         for k, (o, s, dim) in enumerate(zip(scans, stacked, scan_dims)):
-            pieces[k].append(_unstack(g, s, o, dim, count, size))
+            pieces[k].append(_unstack(g, s, o, dim, run))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
     for o, parts, dim in zip(scans, pieces, scan_dims):
@@ -258,24 +376,31 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
     return results[:len(carried)], results[len(carried):]
 
 
-def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, count: int, size: int) -> Value:
+def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run) -> Value:
     """(count, ..., size, ...) -> (..., count * size, ...): the slices side by side along `dim`."""
     rank = len(like.shape)
-    shape = _sliced_shape(like, dim, size)
+    shape = _sliced_shape(like, dim, run.size_dim)
     if dim:
         perm = [*range(1, dim + 1), 0, *range(dim + 1, rank + 1)]
-        shape = (*shape[:dim], count, *shape[dim:])
+        shape = (*shape[:dim], run.count_dim, *shape[dim:])
         stacked = g.add("Transpose", [stacked], f"{like.name}_gathered", like.dtype, shape, {"perm": perm})
-    merged = _sliced_shape(like, dim, count * size)
-    return g.add("Reshape", [stacked, g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))],
-                 f"{like.name}_part", like.dtype, merged)
+    merged = _sliced_shape(like, dim, simplify(run.count_dim * run.size_dim))
+    if run.static and all(isinstance(d, int) for d in merged):
+        target = g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))
+    else:           # the dims around the slices' two, read from the stacked value itself
+        parts = [g.add("Shape", [stacked], f"{like.name}_lead", DType.INT64, (dim,), {"start": 0, "end": dim})] \
+            if dim else []
+        parts += [g.const("rows", np.array([-1], np.int64)),
+                  g.add("Shape", [stacked], f"{like.name}_trail", DType.INT64, (rank - dim - 1,), {"start": dim + 2})]
+        target = g.add("Concat", parts, f"{like.name}_merged_shape", DType.INT64, (rank,), {"axis": 0})
+    return g.add("Reshape", [stacked, target], f"{like.name}_part", like.dtype, merged)
 
 
 def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> None:
     """Rewrite `graph` in place so `region` runs slice by slice, one Loop per phase (`unrolled`:
     the slices written out one after another, which bench/chunk.py measures against Loops)."""
     names = graph.fresh_name
-    built = [_phase_nodes(phase, region, names, unrolled) for phase in region.phases]   # raises before editing
+    built = [_phase_nodes(phase, region, graph, unrolled) for phase in region.phases]   # raises before editing
     graph.link()        # a body's own link() cleared the users of the outer values it reads
     _detach_type_reads(graph, region, names)
     region_ids = {id(n) for n in region.nodes}

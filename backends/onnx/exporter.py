@@ -22,7 +22,7 @@ from engine.dtypes import DType
 from engine.errors import RematError
 from engine.ir import Graph, Node, Value
 from engine.onnx_ops import DTYPE_ATTRIBUTES
-from engine.shapes import format_dim, is_static
+from engine.shapes import format_dim, is_static, parse_dim
 
 from .dtypes import to_onnx
 from .importer import (DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, PLAN_KEY, RECOMPUTE_OF_KEY, REPLACES_KEY,
@@ -84,8 +84,16 @@ def value_info(value: Value) -> onnx.ValueInfoProto:
         return helper.make_empty_tensor_value_info(value.name)
     shape = None
     if value.shape is not None:
-        shape = [int(d) if is_static(d) else format_dim(d) for d in value.shape]
+        shape = [int(d) if is_static(d) else _dim_param(d) for d in value.shape]
     return helper.make_tensor_value_info(value.name, to_onnx(value.dtype), shape)
+
+
+def _dim_param(d) -> str | None:
+    """A symbolic dim as `dim_param` text, when reading the text back gives the same formula
+    (`batch*seq`); a dim the importer could not read back (a chunk slice's `ceiling(...)`) is
+    written as unknown."""
+    text = format_dim(d)
+    return text if parse_dim(text) == d else None
 
 
 def _attribute(node: Node, name: str, value: Any) -> onnx.AttributeProto:

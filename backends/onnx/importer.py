@@ -73,6 +73,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     graph.dim_examples.update(_check_dim_examples(graph, dim_examples or {}, label))
     _check_dims_at_examples(graph, label)
     graph.meta["onnx_model"] = model
+    graph.symbolic_slices = True        # backends.onnx.chunk computes dynamic slices from `Shape`
     return graph
 
 

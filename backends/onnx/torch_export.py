@@ -1,9 +1,18 @@
 """Export a torch module's training step (forward + backward) as one ONNX graph.
 
-The step is traced with make_fx through torch.autograd.grad and with the core
-ATen decompositions, then handed to torch.onnx's exporter. Decomposing first
-matters: exporting `nll_loss_backward` as is gave weight gradients 128x too
-large (docs/design.md, measured facts). `check_gradients` compares the exported graph with torch.
+Two exporters trace the step, and both hand it to `torch.onnx.export(dynamo=True)`:
+
+- `make-fx` (the default): make_fx through torch.autograd.grad, with the core ATen
+  decompositions, so torch.onnx sees only core ATen ops.
+- `aot-joint`: AOTAutograd's joint graph (`aot_export_joint_simple`), ATen ops as AOTAutograd
+  leaves them (`native_layer_norm_backward`, `_softmax_backward_data`, `gelu_backward`, ...),
+  which torch.onnx spells its own way. The incoming gradient of the loss is a constant one.
+
+Either way one op is decomposed before torch.onnx sees it: torch.onnx writes
+`nll_loss_forward`'s total weight as 1 (onnxscript's torch_lib fakes it), so a mean loss's
+`nll_loss_backward` never divides by the token count and every weight gradient comes out
+tokens times too large (docs/design.md, measured facts: 128x). `check_gradients` compares the exported graph with
+torch, always.
 
 Graph inputs are the module's inputs then its parameters (named after them);
 outputs are the loss then one gradient per parameter (`grad.<param>`).
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 import warnings
+from unittest import mock
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from engine.errors import RematError
 
+from .exporters import EXPORTERS, one_line
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
 
 
@@ -33,7 +44,24 @@ class ExportedStep:
     model: onnx.ModelProto
     input_names: list[str]
     feeds: dict[str, np.ndarray]
-    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds`
+    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds` (dropout: see `verify`)
+    # torch's loss and gradients with each dropout drawing the given masks, in call order
+    with_masks: Callable[[list[np.ndarray]], dict[str, np.ndarray]] | None = None
+
+
+@dataclass
+class _MaskedDropout:
+    """F.dropout that draws, call by call, the masks ONNX Runtime drew (its Dropouts, in order)."""
+
+    masks: list[np.ndarray]
+
+    def __call__(self, input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        if not self.masks:
+            raise RematError("the model called dropout more often than the exported graph holds Dropouts")
+        mask = torch.from_numpy(self.masks.pop(0))
+        return input * mask / (1 - p)
 
 
 def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
@@ -51,10 +79,18 @@ def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
 class TracedStep:
     """One training step traced to an ATen fx graph: inputs, then parameters, in; (loss, *grads) out."""
 
-    graph: torch.fx.GraphModule
+    graph: torch.nn.Module          # a GraphModule, or the joint graph wrapped as a step
     step: Callable
     names: list[str]
     params: list[torch.Tensor]
+
+
+def _native_dropout(input, p=0.5, training=True, inplace=False):
+    """F.dropout as `native_dropout` (ONNX's Dropout, its mask an output): on the CPU F.dropout
+    runs an in-place `bernoulli_` into an `empty_permuted` buffer, which torch.onnx cannot write."""
+    if not training or p == 0:
+        return input
+    return torch.ops.aten.native_dropout(input, p, True)[0]
 
 
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -66,9 +102,73 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     step = _step_fn(module, names, len(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = make_fx(step, decomposition_table=core_aten_decompositions(),
-                        tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
+        with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
+            graph = make_fx(step, decomposition_table=core_aten_decompositions(),
+                            tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
     return TracedStep(graph, step, names, params)
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _nll_loss_forward(self, target, weight=None, reduction: int = 1, ignore_index: int = -100):
+    """aten.nll_loss_forward as ONNX's NegativeLogLikelihoodLoss, as torch.onnx writes it, but
+    with its true total weight (the summed weight of the labels not ignored), which
+    nll_loss_backward divides a mean's gradient by. torch.onnx's own translation writes 1 there."""
+    from onnxscript import opset18 as op
+
+    squeeze = len(self.shape) == 1
+    if squeeze:
+        self = op.Unsqueeze(self, [0])
+    if len(target.shape) == 0:
+        target = op.Unsqueeze(target, [0])
+    output = op.NegativeLogLikelihoodLoss(self, target, weight, ignore_index=ignore_index,
+                                          reduction=_REDUCTIONS[reduction])
+    if squeeze:
+        output = op.Squeeze(output)
+    kept = op.Not(op.Equal(target, op.CastLike(ignore_index, target)))
+    if weight is None:
+        weights = op.CastLike(kept, output)     # the loss's type, as torch_lib reads it: not the input's
+    else:
+        label = op.Where(kept, target, op.CastLike(0, target))
+        weights = op.Mul(op.Gather(weight, label), op.CastLike(kept, weight))
+    return output, op.ReduceSum(weights, keepdims=0)
+
+
+# torch.onnx's translations the exporters replace: only what it gets wrong.
+_TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward}
+
+
+class _JointStep(torch.nn.Module):
+    """AOTAutograd's joint graph as a step: (*inputs, *params) -> (loss, *param grads), the loss's
+    incoming gradient a constant one."""
+
+    def __init__(self, joint: torch.fx.GraphModule, n_inputs: int):
+        super().__init__()
+        self.joint = joint
+        self.n_inputs = n_inputs
+
+    def forward(self, *args):
+        (loss,), grads = self.joint(list(args), [torch.ones((), dtype=torch.float32)])
+        return (loss, *grads[self.n_inputs:])
+
+
+def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> TracedStep:
+    """AOTAutograd's joint graph of `module(*inputs) -> loss` (forward and backward), as a step."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    names = [n for n, _ in module.named_parameters()]
+    params = [p.detach().clone() for _, p in module.named_parameters()]
+    n_inputs = len(inputs)
+
+    def forward(*args):
+        return (functional_call(module, dict(zip(names, args[n_inputs:])), tuple(args[:n_inputs])),)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params)],
+                                        trace_joint=True)
+    return TracedStep(_JointStep(joint, n_inputs), _step_fn(module, names, n_inputs), names, params)
 
 
 def _clean(name: str) -> str:
@@ -78,14 +178,24 @@ def _clean(name: str) -> str:
 def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                          input_names: list[str] | None = None,
                          dynamic_dims: dict[int, str] | None = None,
-                         max_dims: dict[str, int] | None = None) -> ExportedStep:
+                         max_dims: dict[str, int] | None = None,
+                         exporter: str = "make-fx") -> ExportedStep:
     """Trace forward + backward of `module(*inputs)` (which returns the loss) into ONNX.
 
     `dynamic_dims` names input dims that stay symbolic (`{0: "batch", 1: "seq"}`, applied
     to every input of at least that rank); the example inputs' sizes become the model's
-    example dim values, so savings print both as formulas and as bytes.
+    example dim values, so savings print both as formulas and as bytes. `exporter` is a key
+    of EXPORTERS.
     """
-    traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
+    if exporter not in EXPORTERS:
+        raise RematError(f"unknown exporter {exporter!r}; the exporters are {', '.join(EXPORTERS)}")
+    if exporter == "aot-joint" and dynamic_dims:
+        raise RematError("the aot-joint exporter traces with example sizes only; export dynamic dims "
+                         "with the make-fx exporter")
+    if exporter == "aot-joint":
+        traced = trace_joint_step(module, inputs)
+    else:
+        traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
     names, params, step = traced.names, traced.params, traced.step
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
@@ -105,7 +215,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
-            dynamic_shapes=dynamic_shapes,
+            dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
             input_names=[*input_names, *(_clean(n) for n in names)],
             output_names=["loss", *(f"grad.{_clean(n)}" for n in names)])
     model = program.model_proto
@@ -115,10 +225,16 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     })
     feeds = {n: t.detach().numpy() for n, t in zip([*input_names, *(_clean(n) for n in names)],
                                                    [*inputs, *params])}
-    reference_out = step(*inputs, *[p.clone() for p in params])
-    reference = {n: t.detach().numpy() for n, t in zip(
-        ["loss", *(f"grad.{_clean(n)}" for n in names)], reference_out)}
-    return ExportedStep(model, input_names, feeds, reference)
+    output_names = ["loss", *(f"grad.{_clean(n)}" for n in names)]
+
+    def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+        with mock.patch.object(torch.nn.functional, "dropout", _MaskedDropout(list(masks or []))):
+            out = step(*inputs, *[p.clone() for p in params])
+        return {n: t.detach().numpy() for n, t in zip(output_names, out)}
+
+    dropout = any(n.op_type == "Dropout" for n in model.graph.node)
+    return ExportedStep(model, input_names, feeds, {} if dropout else reference_with(None),
+                        reference_with if dropout else None)
 
 
 def save(exported: ExportedStep, path: str | Path) -> Path:
@@ -126,6 +242,33 @@ def save(exported: ExportedStep, path: str | Path) -> Path:
     onnx.save(exported.model, str(path))
     np.savez(path.with_suffix(".inputs.npz"), **exported.feeds)
     return path
+
+
+def _with_mask_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` whose Dropout masks are graph outputs too, and their names in node order."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    names = []
+    for k, node in enumerate(n for n in copy.graph.node if n.op_type == "Dropout"):
+        if len(node.output) < 2 or not node.output[1]:
+            del node.output[1:]
+            node.output.append(f"remat_dropout_mask_{k}")
+        names.append(node.output[1])
+        copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(node.output[1]))
+    return copy, names
+
+
+def verify(exported: ExportedStep, rtol: float = 1e-4) -> float:
+    """Run the exported step in ONNX Runtime and check its loss and gradients against torch's;
+    with dropout, torch draws the masks ONNX Runtime drew. The largest relative error."""
+    from .runtime import run
+
+    if exported.with_masks is None:
+        return check_gradients(exported, run(exported.model, exported.feeds), rtol)
+    model, masks = _with_mask_outputs(exported.model)
+    outputs = run(model, exported.feeds)
+    exported.reference = exported.with_masks([outputs[m] for m in masks])
+    return check_gradients(exported, outputs, rtol)
 
 
 def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol: float = 1e-4) -> float:
@@ -141,18 +284,28 @@ def check_gradients(exported: ExportedStep, outputs: dict[str, np.ndarray], rtol
     return worst
 
 
-def export_gpt(cfg, output: str | Path, dynamic: bool = False) -> tuple[Path, float]:
-    """Export the GPT-like training step of docs/design.md, check its gradients against torch, save it."""
-    from backends.models import gpt
-
-    from .runtime import run
-
-    model = gpt(cfg)
-    exported = export_training_step(
-        model, model.example_inputs(), ["idx", "targets"],
-        dynamic_dims={0: "batch", 1: "seq"} if dynamic else None,
-        max_dims={"seq": cfg.seq} if dynamic else None)
-    error = check_gradients(exported, run(exported.model, exported.feeds))
+def export_checked(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: str | Path,
+                   input_names: list[str] | None = None, dynamic_dims: dict[int, str] | None = None,
+                   max_dims: dict[str, int] | None = None, exporter: str = "make-fx") -> tuple[Path, float]:
+    """Export `module(*inputs) -> loss` as a training step, check it against torch (`verify`), and
+    save it with its inputs beside it: the path and the largest relative error."""
+    try:
+        exported = export_training_step(module, inputs, input_names, dynamic_dims, max_dims, exporter)
+    except RematError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.export and torch.onnx raise many kinds
+        raise RematError(f"the {exporter} exporter could not export the step ({one_line(exc)})") from None
+    error = verify(exported)
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     return save(exported, path), error
+
+
+def export_gpt(cfg, output: str | Path, dynamic: bool = False, exporter: str = "make-fx") -> tuple[Path, float]:
+    """Export the GPT-like training step of docs/design.md, check its gradients against torch, save it."""
+    from backends.models import gpt
+
+    model = gpt(cfg)
+    return export_checked(model, model.example_inputs(), output, ["idx", "targets"],
+                          {0: "batch", 1: "seq"} if dynamic else None,
+                          {"seq": cfg.seq} if dynamic else None, exporter)

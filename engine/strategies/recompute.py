@@ -17,6 +17,7 @@ from ..matcher import Match, MatchContext, Reason
 from ..patterns import Recompute, Save
 from ..plan_type import PlanType
 from ..shapes import Dim, simplify
+from .replay import BoundReplay, bind, instantiate, replay_for
 
 MAX_REGION_NODES = 64
 
@@ -31,6 +32,8 @@ class Region:
     new_stash: list[Value]        # compromise: values kept that were not kept before
     saved: Dim                    # bytes no longer kept, as a formula
     added: Dim                    # bytes of the new stash
+    # nondeterministic nodes of `nodes` that run again as their replay (node id -> it)
+    replays: dict[int, BoundReplay] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -105,6 +108,7 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
     leaves: dict[int, Value] = {}
     new_stash: dict[int, Value] = {}
     reused: dict[int, Value] = {}
+    replays: dict[int, BoundReplay] = {}
 
     def need(value: Value) -> Reason | None:
         if id(value) in target_ids:
@@ -131,10 +135,8 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
             return None
         if not analysis.is_forward(node):
             return Reason(action.location, f"%{value.name} is produced in backward by {node.name}")
-        if node.op in rules.nondeterministic:
-            return Reason(action.location,
-                          f"{node.name} ({node.op}) is nondeterministic: recomputing it would not "
-                          f"reproduce its random values, so %{value.name} cannot be recomputed")
+        if node.op in rules.nondeterministic or (node.native_op or "") in rules.nondeterministic:
+            return replay(node, value)
         if id(node) not in matched_ids and node.op not in recomputable and node.inputs:
             tier = rules.recomputable.get(node.op)
             why = (f"in tier {tier!r}, which is not enabled" if tier else "not declared recomputable")
@@ -152,6 +154,33 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
                 return why
         return None
 
+    def replay(node: Node, value: Value) -> Reason | None:
+        """A nondeterministic node runs again as its replay: the outputs that keep its random
+        values are kept (a new stash where they were not), the inputs its template reads grown."""
+        declared = replay_for(rules, node)
+        if declared is None:
+            return Reason(action.location,
+                          f"{node.name} ({node.op}) is nondeterministic: recomputing it would not "
+                          f"reproduce its random values (no `replay` declaration for {node.op}), so "
+                          f"%{value.name} cannot be recomputed")
+        bound = bind(declared, node)
+        if isinstance(bound, str):
+            return Reason(action.location, f"{bound}, so %{value.name} cannot be recomputed")
+        if value is not bound.replayed:
+            return Reason(action.location, f"%{value.name} holds the random values of {node.name} ({node.op}); "
+                                           f"it is kept, not recomputed")
+        region[id(node)] = node
+        replays[id(node)] = bound
+        for kept in bound.saved:
+            leaves[id(kept)] = kept
+            if id(kept) not in state.stashed and id(kept) not in state.clone_of:
+                new_stash[id(kept)] = kept
+        for inp in bound.inputs:
+            why = need(inp)
+            if why is not None:
+                return why
+        return None
+
     for target in targets:
         why = recompute(target)
         if why is not None:
@@ -162,7 +191,7 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
     saved = storage_bytes(targets, views)
     added = storage_bytes(list(new_stash.values()), views)
     return Region(match, targets, nodes, list(leaves.values()), reused, list(new_stash.values()),
-                  saved, added)
+                  saved, added, replays)
 
 
 class Rewriter:
@@ -199,6 +228,9 @@ class Rewriter:
         mapping: dict[int, Value] = dict(region.reused)
         clones = []
         for node in region.nodes:
+            if id(node) in region.replays:
+                clones.extend(self._replay(region.replays[id(node)], mapping))
+                continue
             outputs = []
             for out in node.outputs:
                 clone_out = replace(out, name=self.graph.fresh_name(f"{out.name}_rc"), producer=None,
@@ -232,13 +264,31 @@ class Rewriter:
             self.state.stashed.add(id(v))
         if first_use is None:
             return
-        for node, clone in zip(region.nodes, clones):
+        for clone in clones:
             self.place[id(clone)] = first_use
-            for out, clone_out in zip(node.outputs, clone.outputs):
-                self.state.clone_of[id(out)] = clone_out
+        for node in region.nodes:
+            for out in node.outputs:
+                if id(out) in mapping and mapping[id(out)] is not out:
+                    self.state.clone_of[id(out)] = mapping[id(out)]
         for reused in region.reused.values():
             self._hoist(reused.producer, first_use)
         self.clones.extend(clones)
+
+    def _replay(self, bound: BoundReplay, mapping: dict[int, Value]) -> list[Node]:
+        """The replay of a nondeterministic node: its template's nodes, writing a clone of the
+        replayed output; its kept outputs are read as they are."""
+        target = bound.replayed
+        out = replace(target, name=self.graph.fresh_name(f"{target.name}_rc"), producer=None, users=[],
+                      meta=dict(target.meta))
+        nodes = instantiate(bound, lambda v: mapping.get(id(v), v), self.graph.fresh_name, out)
+        mapping[id(target)] = out
+        for n in nodes:
+            n.recompute_of, n.recompute_region = bound.node.name, self.applied
+            for o in n.outputs:
+                o.producer = n
+            for v in n.present_inputs():
+                v.users.append(n)
+        return nodes
 
     def finish(self) -> Graph:
         groups: dict[int, list[Node]] = {}

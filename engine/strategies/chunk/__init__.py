@@ -4,9 +4,9 @@
 `region`: the regions and per-value chunk metadata a backend builds; `grow`: how a region
 grows from a chunk rule's match (its docstring says how).
 """
-from .grow import grow_chunk, slice_sizes
+from .grow import grow_chunk
 from .kinds import CHUNK_KINDS, TYPE_ONLY, DimMap, Refused, dim_map, reshape_map
-from .region import ChunkMeta, ChunkPhase, ChunkRegion
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, slice_sizes
 
 __all__ = ["CHUNK_KINDS", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
            "Refused", "dim_map", "grow_chunk", "reshape_map", "slice_sizes"]

@@ -39,9 +39,9 @@ from ...guards import Unproven, evaluate_expr
 from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
-from ...shapes import evaluate
+from ...shapes import evaluate, is_static
 from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
-from .region import ChunkMeta, ChunkPhase, ChunkRegion
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -126,6 +126,7 @@ class _Grower:
         self.elided: set[int] = set()          # reshapes skipped inside the slices
         self.inputs: dict[int, Value] = {}
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
+        self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.index.tangent_ids
@@ -236,6 +237,8 @@ class _Grower:
                               f"{v.shape[r]} is not the chunked size {self.size}")
             self.meta[id(v)] = ChunkMeta(r)
             self.inputs[id(v)] = v
+        if need_sum and dm.mean:
+            self.means.append(node)
         scaled = self.scaled(node, inputs)
         for o in node.outputs:
             self.meta[id(o)] = ChunkMeta(out_dim, need_sum, scaled)
@@ -332,11 +335,25 @@ class _Grower:
                               f"the region, so it would be built whole anyway")
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
-        count = self.count(action)
+        count, formula = self.count(action)
+        extent, count_formula = None, None
+        if not is_static(self.size) or not is_static(formula):
+            if not self.graph.symbolic_slices:
+                raise Refused(f"the chunked dim has the symbolic size {self.size} (or the slice count "
+                              f"`{action.count.text}` depends on a dynamic dim); this backend builds slices "
+                              f"of static sizes only")
+            extent, count_formula = self.size, formula
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
-        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self.size, count), tangent, chain,
-                           [n for n in nodes if id(n) in self.elided], phases, normalizer)
+        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self._at_examples(self.size), count),
+                           tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
+                           self.means, extent, count_formula)
+
+    def _at_examples(self, size: Any) -> int:
+        value = evaluate(size, self.examples)
+        if value is None:
+            raise Refused(f"the chunked dim's size {size} has no example value (give it with --dim)")
+        return value
 
     def readers_after(self, start: int):
         """In schedule order, the nodes after position `start` that read a region value, the
@@ -412,6 +429,11 @@ class _Grower:
         # node would make the forward outputs wait for the gradient.
         tangent_inputs = [v for v in self.inputs.values() if id(v) in self.tangent_ids]
         after = self.index.downstream([*late, *tangent_inputs], until=max(self.position[id(n)] for n in nodes))
+        # A node that reads a backward value only for its type (CastLike(0, grad), the masked
+        # fill of a gradient) runs in the backward phase too: the value must exist first.
+        for n in nodes:
+            if not any(id(o) in after for o in n.outputs) and any(id(v) in after for v in n.present_inputs()):
+                after.update(id(o) for o in n.outputs)
         backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
         forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
         backward_ids = {id(n) for n in backward}
@@ -456,10 +478,12 @@ class _Grower:
         tangent = next(v for v in self.graph.inputs if id(v) in tangents)
         return tangent, sorted(chain.values(), key=lambda n: self.position[id(n)])
 
-    def count(self, action: Chunk) -> int:
+    def count(self, action: Chunk) -> tuple[int, Any]:
+        """The number of slices at the example sizes, and as the rule's formula (a number when
+        it depends on no dynamic dim)."""
         what = f"`{action.count.text}`"
         try:
-            value = evaluate_expr(action.count, self.match.bindings, self.ctx)
+            value = formula = evaluate_expr(action.count, self.match.bindings, self.ctx)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 value = evaluate(value, self.examples)
         except Unproven as e:
@@ -473,16 +497,7 @@ class _Grower:
             raise Refused(f"{what} gives {value!r}, not a number of chunks")
         if value < 2:
             raise Refused(f"{what} gives {value} chunk(s): nothing to run slice by slice")
-        return int(value)
-
-
-def slice_sizes(size: Any, count: int) -> list[int]:
-    try:
-        n = int(size)
-    except TypeError:
-        raise Refused(f"the chunked dim has the symbolic size {size}") from None
-    step = math.ceil(n / min(count, n))
-    return [min(step, n - start) for start in range(0, n, step)]
+        return int(value), formula
 
 
 def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:

@@ -29,6 +29,9 @@ CHUNK_KINDS = {
     "shape": "the shape of its input (ONNX Shape, Size): a slice's shape, computed per slice",
     "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
+    "nll_loss": "a loss over the class dim 1 of its input, picked by a target of the other dims (ONNX "
+                "NegativeLogLikelihoodLoss): those dims are kept (reduction none) or summed; a mean "
+                "runs as a sum in each slice, divided by the total weight of every slice's targets",
 }
 
 # Inputs an op of a kind reads only for their shape or type, not their values: nothing the
@@ -36,7 +39,8 @@ CHUNK_KINDS = {
 TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
-MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1}
+MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
+              "nll_loss": 2}
 
 
 
@@ -51,6 +55,7 @@ class DimMap:
     maps: list[dict[int, int]]                  # per input position: output dim -> input dim
     summed: list[list[tuple[int, int]]] = field(default_factory=list)   # (input, dim) summed together
     blocked: set[tuple[int, int]] = field(default_factory=set)          # (input, dim) never sliced
+    mean: bool = False      # the summed dims are averaged: a slice sums, the builder divides once
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -202,6 +207,28 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         if kind == "gather_elements":       # (data, index)
             return DimMap([others, every], blocked={(0, axis)})
         return DimMap([every] + [others for _ in inputs[1:]], blocked={(i, axis) for i in range(1, len(inputs))})
+    if kind == "nll_loss":
+        return _nll_loss_map(node, inputs)
     raise Refused(f"unknown chunk kind {kind!r}")
+
+
+def _nll_loss_map(node: Node, inputs: list[Value]) -> DimMap:
+    """(input (N, C, d...), target (N, d...), weight (C)?): the target's dims are the input's
+    without the class dim 1, which is never sliced."""
+    r = rank_of(inputs[0])
+    if r < 2 or rank_of(inputs[1]) != r - 1:
+        raise Refused(f"{node.op} {node.name}: an input of rank {r} with a target of rank "
+                      f"{rank_of(inputs[1])}, not one less")
+    reduction = _param(node, "reduction") or "mean"
+    reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
+    target_dims = {0: 0, **{d: d - 1 for d in range(2, r)}}     # input dim -> target dim
+    blocked = {(0, 1)}
+    if reduction == "none":
+        return DimMap([{t: d for d, t in target_dims.items()}, {t: t for t in target_dims.values()}],
+                      blocked=blocked)
+    if reduction not in ("sum", "mean"):
+        raise Refused(f"{node.op} {node.name}: unknown reduction {reduction!r}")
+    return DimMap([{}, {}], summed=[[(0, d), (1, t)] for d, t in target_dims.items()], blocked=blocked,
+                  mean=reduction == "mean")
 
 

@@ -1,12 +1,28 @@
 """Chunk regions: what the grower found, and what a backend builds."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import sympy
 
 from ...ir import Node, Value
 from ...matcher import Match
 from ...plan_type import PlanType
+from ...shapes import simplify
+from .kinds import Refused
+
+
+def slice_sizes(size: Any, count: int) -> list[int]:
+    """`size` rows in `count` slices: equal ones and a smaller last one."""
+    try:
+        n = int(size)
+    except TypeError:
+        raise Refused(f"the chunked dim has the symbolic size {size}") from None
+    step = math.ceil(n / min(count, n))
+    return [min(step, n - start) for start in range(0, n, step)]
+
 
 @dataclass(frozen=True)
 class ChunkMeta:
@@ -38,6 +54,26 @@ class ChunkRegion:
     phases: list[ChunkPhase] = field(default_factory=list)    # one, or forward then backward
     normalizer: str = ""                        # the first op of kind `axis` in the region (or
                                                 # that a backend decomposed into region nodes)
+    means: list[Node] = field(default_factory=list)   # averaging nodes whose slices sum (DimMap.mean):
+                                                # the builder divides by the whole total weight
+    # A region over a dynamic size: the sliced dim's size and the number of slices as formulas
+    # over the dynamic dims, for a backend that computes its slices in the graph (`chunks` are
+    # then the slices at the example sizes). None when the slices are static.
+    extent: Any = None
+    count: Any = None
+
+    @property
+    def slice_size(self) -> Any:
+        """The size of every slice but the last, a formula when the region is dynamic."""
+        if self.extent is None:
+            return max(self.chunks)
+        return simplify(sympy.ceiling(self.extent / sympy.Max(self.count, 1)))
+
+    def reslice(self, count: int) -> None:
+        """Run the region in `count` slices instead (the budget planner's choice)."""
+        self.chunks = slice_sizes(sum(self.chunks), count)
+        if self.extent is not None:
+            self.count = count
 
     @property
     def key(self) -> str:
@@ -65,6 +101,8 @@ class ChunkRegion:
     def saved(self) -> Any:
         """Bytes of the amplified value that no longer exist at once: all but one slice."""
         whole = self.targets[0].nbytes or 0
+        if self.extent is not None:
+            return simplify(whole - whole * self.slice_size / self.extent)
         return whole - whole * max(self.chunks) // sum(self.chunks)
 
     added = 0
