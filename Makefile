@@ -18,9 +18,9 @@ demo: $(STAMP)
 	$(VENV)/bin/remat demo
 
 # The suite, and every shipped rule property-tested on both backends by remat's pytest plugin
-# (engine.testing.plugin), derandomized.
+# (engine.testing.plugin), derandomized; a file per worker, one worker per core (pytest-xdist).
 test: $(STAMP)
-	$(PY) -m pytest --remat-rules rules --remat-profile ci
+	$(PY) -m pytest --remat-rules rules --remat-profile ci -n auto --dist loadfile
 
 check: $(STAMP)
 	$(VENV)/bin/remat check rules/
