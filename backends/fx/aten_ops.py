@@ -20,6 +20,11 @@ ATEN_TO_ONNX = {
     "split": "Split", "slice": "Slice", "cat": "Concat", "embedding": "Gather",
     "_softmax": "Softmax", "_log_softmax": "LogSoftmax", "native_layer_norm": "LayerNormalization",
     "_to_copy": "Cast", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
+    # Random ops: ONNX's names, which std.ops declares nondeterministic. native_dropout(x, p, train)
+    # is ONNX's Dropout(x, ratio, training_mode), (y, mask) both; the importer makes it Dropout only
+    # in training mode, and folds Inductor's decomposition of it (rand, gt, mul, mul) back into one.
+    "native_dropout": "Dropout", "rand": "RandomUniform", "rand_like": "RandomUniformLike",
+    "randn": "RandomNormal", "randn_like": "RandomNormalLike", "bernoulli": "Bernoulli",
 }
 
 # Positional arguments that are attributes, by ONNX name: the IR spells an attribute one way
@@ -29,7 +34,7 @@ ATTRIBUTE_ARGS = {
     "permute": {1: "perm"}, "sum": {1: "axes", 2: "keepdims"}, "mean": {1: "axes", 2: "keepdims"},
     "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
     "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},
-    "full_like": {1: "value"},
+    "full_like": {1: "value"}, "native_dropout": {2: "training_mode"},
     "_scaled_dot_product_flash_attention_for_cpu": {3: "dropout_p", 4: "is_causal"},
     "_scaled_dot_product_flash_attention": {3: "dropout_p", 4: "is_causal", 5: "return_debug_mask"},
     "_scaled_dot_product_efficient_attention": {4: "compute_log_sumexp", 5: "dropout_p", 6: "is_causal"},
@@ -86,5 +91,5 @@ SCALAR_OPERANDS = {
     "where": (1, 2), "eq": (0, 1), "ne": (0, 1), "lt": (0, 1), "le": (0, 1), "gt": (0, 1), "ge": (0, 1),
     "maximum": (0, 1), "minimum": (0, 1), "clamp": (1, 2), "clamp_min": (1,), "clamp_max": (1,),
     "fmod": (1,), "remainder": (1,), "masked_fill": (2,), "bitwise_and": (1,), "bitwise_or": (1,),
-    "bitwise_xor": (1,), "atan2": (0, 1), "floor_divide": (1,),
+    "bitwise_xor": (1,), "atan2": (0, 1), "floor_divide": (1,), "native_dropout": (1,),
 }

@@ -41,9 +41,10 @@ from engine.strategies.chunk import ChunkRegion
 
 from backends.device import profile_for
 
-from .chunk import apply_chunk
+from .chunk import _propagate_fake, apply_chunk
 from .importer import PLAN, _flat_nodes, import_fx
 from .modules import working_module
+from .replay import build_replay
 
 
 @functools.cache
@@ -73,6 +74,7 @@ class FxBuilder:
         self.work: fx.GraphModule | None = None
         self.two_phase = False
         self.replaced: dict[str, str] = {}      # fx node name -> the plan that recomputes or slices it
+        self.rebuilt = False
 
 
     def start(self) -> None:
@@ -80,6 +82,7 @@ class FxBuilder:
         copy.output(copy.graph_copy(self.graph, {}))
         self.work = working_module(self.owner if self.owner is not None else {}, copy)
         self.two_phase = False
+        self.rebuilt = False        # nodes added other than chunk calls (a replay's)
         self.replaced = {}
 
     def current(self, fold: bool) -> Graph:
@@ -101,14 +104,31 @@ class FxBuilder:
         self.replaced.update((name, region.key) for n in region.nodes for name in n.backend_nodes or [n.name])
 
     def finish(self, result: Result) -> None:
+        """Tag every fx node of each applied region MUST_RECOMPUTE, except a random op's, which
+        runs again as its replay: the template's ATen nodes, built once per op and tagged in
+        its place (backends/fx/replay.py)."""
         by_name = {n.name: n for n in self.work.graph.nodes}
+        built: set[str] = set()
+        made: list[fx.Node] = []
         for region in result.applied:
             with at_site(Site(region.match.rule.name, region.match.root.name), "build", region.key):
+                tagged = []
                 for node in region.nodes:
-                    for name in node.backend_nodes or [node.name]:
-                        by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                        by_name[name].meta[PLAN] = region.key
-                        self.replaced[name] = region.key
+                    if id(node) in region.replays:
+                        if node.name not in built:
+                            replay = build_replay(self.work.graph, region.replays[id(node)], by_name)
+                            built.add(node.name)
+                            made.extend(replay)
+                            tagged.extend(replay)
+                        continue
+                    tagged.extend(by_name[name] for name in node.backend_nodes or [node.name])
+                for fx_node in tagged:
+                    fx_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    fx_node.meta[PLAN] = region.key
+                    self.replaced[fx_node.name] = region.key
+        if made:
+            self.rebuilt = True
+            _propagate_fake(self.work, set(made))
 
     def simulate(self, graph: Graph) -> int:
         """The step's peak as torch runs it: the partitioner's forward and backward, with
@@ -128,7 +148,8 @@ class FxBuilder:
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept)."""
-        if not any(n.op == "get_attr" and n.target.startswith("remat_chunk_") for n in self.work.graph.nodes):
+        if not self.rebuilt and not any(n.op == "get_attr" and n.target.startswith("remat_chunk_")
+                                        for n in self.work.graph.nodes):
             # Only tags changed: copy them onto the same-named nodes, leaving the graph's nodes alone.
             tags = {n.name: n.meta["recompute"] for n in self.work.graph.nodes if "recompute" in n.meta}
             for node in self.graph.nodes:

@@ -118,7 +118,8 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
         reads_later = any(position[a] > first for m in members for a in _flat_nodes((m.args, m.kwargs))
                           if a not in member_set)
         read_early = any(position[u] < last for m in members for u in m.users if u not in member_set)
-        if reads_later or read_early:
+        if reads_later or read_early or (_base_name(members[0].meta["original_aten"]) == "native_dropout"
+                                         and _dropout_ratio(members) is None):
             del group_members[key]
             for m in members:
                 member_of.pop(m, None)
@@ -163,6 +164,9 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             outs = [outs[i] for i in order]
             produced = [produced[i] for i in order]
             base = _base_name(members[0].meta["original_aten"])
+            if base == "native_dropout":
+                outside_inputs, outs, produced = _folded_dropout(members, outside_inputs, outs, produced,
+                                                                 attributes)
             node = Node(ATEN_TO_ONNX[base], outside_inputs, outs, _folded_attributes(base, members),
                         produced[0].name if produced else members[0].name,
                         native_op=f"aten::{base}", backend_nodes=[m.name for m in members],
@@ -177,10 +181,32 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
             result = Graph(nodes, inputs, outputs, attributes, name="joint")
+            result.dim_examples = _dim_examples(graph)
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
             return result
     raise GraphError("the fx graph has no output node")
+
+
+def _dim_examples(graph: fx.Graph) -> dict[str, int]:
+    """The size each symbol of a dynamic graph (`torch.compile(dynamic=True)`, `mark_dynamic`) had
+    when it was traced, from the shape environment of the placeholders' fake tensors: the rules'
+    guards (`bytes(y) >= 256 KiB`) are decided at these sizes, and the plan table shows its
+    savings as formulas over the symbols, evaluated there."""
+    examples: dict[str, int] = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        for d in val.shape:
+            if isinstance(d, torch.SymInt):
+                env = d.node.shape_env
+                hints = getattr(env, "backed_var_to_val", None) or env.var_to_val     # torch 2.13 / 2.11
+                for symbol in d.node.expr.free_symbols:
+                    hint = hints.get(symbol)
+                    if hint is not None:
+                        examples[str(symbol)] = int(hint)
+    return examples
 
 
 def _flat_nodes(args: Any) -> list[fx.Node]:
@@ -193,6 +219,8 @@ def _folded_attributes(base: str, members: list[fx.Node]) -> dict:
     """The attributes of a decomposed op, read back from its parts where they say them: a
     softmax's axis is the dim its max is taken over (Inductor decomposes `_softmax` before the
     joint graph exists, and `Softmax(x, axis=-1)` must still match)."""
+    if base == "native_dropout":
+        return {"training_mode": True}      # only a training-mode dropout is folded (_dropout_ratio)
     if base in ("_softmax", "_log_softmax"):
         for m in members:
             if _base_name(m.target) == "amax" and len(m.args) > 1:
@@ -200,6 +228,30 @@ def _folded_attributes(base: str, members: list[fx.Node]) -> dict:
                 if len(dims) == 1:
                     return {"axis": int(dims[0])}
     return {}
+
+
+def _dropout_ratio(members: list[fx.Node]) -> float | None:
+    """The drop probability of Inductor's decomposition of a training-mode native_dropout,
+    `mask = rand(shape) > p; y = mask * x * (1 / (1 - p))`: the number its comparison reads. None
+    for anything else (p = 0 or 1, or eval mode, decompose without a comparison of random numbers)."""
+    for m in members:
+        if (_base_name(m.target) == "gt" and len(m.args) == 2 and isinstance(m.args[1], (int, float))
+                and isinstance(m.args[0], fx.Node) and m.args[0] in members
+                and _base_name(m.args[0].target) in ("rand", "rand_like")):
+            return float(m.args[1])
+    return None
+
+
+def _folded_dropout(members: list[fx.Node], inputs: list[Value], outs: list[Value], produced: list[fx.Node],
+                    literals: list[Value]) -> tuple[list[Value], list[Value], list[fx.Node]]:
+    """A folded native_dropout as ONNX's Dropout(x, ratio) -> (y, mask), as the undecomposed op
+    imports: the ratio the number the comparison reads (a literal), the outputs ordered by what
+    they are (the mask is the boolean), not by size."""
+    ratio = _literal(f"{members[0].name}_ratio", _dropout_ratio(members), None,
+                     tuple(a for m in members for a in m.args))
+    literals.append(ratio)
+    order = sorted(range(len(outs)), key=lambda i: outs[i].dtype is DType.BOOL)
+    return [*inputs, ratio], [outs[i] for i in order], [produced[i] for i in order]
 
 
 def _connected(members: list[fx.Node]) -> list[list[fx.Node]]:
@@ -227,6 +279,8 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
     example = fx_node.meta.get("val")
     base = _base_name(fx_node.target)
     op = ATEN_TO_ONNX.get(base, f"aten::{base}")
+    if base == "native_dropout" and len(fx_node.args) > 2 and fx_node.args[2] is False:
+        op = "aten::native_dropout"     # eval mode: no random values, no ONNX Dropout's scaling
     tensor_args, attrs = [], {}
     renames = ATTRIBUTE_ARGS.get(base, {})
     operands = SCALAR_OPERANDS.get(base, ())
