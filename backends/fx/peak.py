@@ -47,7 +47,7 @@ from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
 from engine.shapes import evaluate
 
-from .importer import _DTYPES, _dim
+from .importer import _DTYPES, PLAN, _dim
 
 _ATEN = torch.ops.aten
 # Not tagged pointwise, but Inductor lowers each as one (an indexed or constant load, a copy):
@@ -351,7 +351,8 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
     nodes = []
     allocated: set[int] = set()
     for kernel in _schedule(kernels):
-        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name)
+        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
+                    plan=kernel.fx.meta.get(PLAN))
         if kernel.cat is not None:     # the first slice to run allocates the cat's output
             (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
             allocated.add(id(kernel.cat))
