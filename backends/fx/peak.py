@@ -50,6 +50,7 @@ from engine.ir import Graph, Node, Value
 from engine.shapes import evaluate
 
 from .importer import _DTYPES, PLAN, _dim
+from .modules import working_module
 
 _ATEN = torch.ops.aten
 # Not tagged pointwise, but Inductor lowers each as one (an indexed or constant load, a copy):
@@ -226,7 +227,7 @@ def partition(joint: fx.Graph, owner: torch.nn.Module | None) -> tuple[fx.GraphM
 
     copy_graph = fx.Graph()
     copy_graph.output(copy_graph.graph_copy(joint, {}))
-    module = fx.GraphModule(owner if owner is not None else {}, copy_graph)
+    module = working_module(owner if owner is not None else {}, copy_graph)
     primals = sum(1 for n in joint.nodes if n.op == "placeholder" and n.name.startswith("primals"))
     own = len(next(n for n in joint.nodes if n.op == "output").args[0]) - primals
     _remove_noop_ops(module)
@@ -280,7 +281,7 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
                 if part == "bw":
                     step.backward.add(env[node].name)
     graph.output(tuple(outputs))
-    step.module = fx.GraphModule(owner, graph)
+    step.module = working_module(owner, graph)
     return step
 
 
@@ -621,5 +622,10 @@ def estimated_step_peak(joint: fx.Graph, owner: torch.nn.Module | None = None) -
 
 
 def estimated_step(joint: fx.Graph, owner: torch.nn.Module | None = None) -> PeakEstimate:
-    """estimated_step_peak's walk, with the bytes at every node of the step."""
-    return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))
+    """estimated_step_peak's walk, with the bytes at every node of the step. The modules made on
+    the way (the partitioner's too) are lazy: their code is never run, and generating it was a
+    fifth of a 16-layer simulation."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))
