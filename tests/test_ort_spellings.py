@@ -117,3 +117,25 @@ def test_matmul_kind_reads_transposes_and_never_sums_over_gemms_bias():
     dm = dim_map(gemm, "matmul")
     assert dm.maps == [{0: 0}, {1: 0}, {1: 0}]
     assert dm.summed == [] and dm.blocked == {(0, 1), (1, 1)}    # C would be added once per slice
+
+
+def test_contrib_outputs_are_typed_and_inference_runs_on_from_them():
+    """A chain through two FusedMatMuls with symbolic dims: each output typed in turn, and the
+    standard op after them typed by ONNX's inference."""
+    from onnx import TensorProto, helper
+    from backends.onnx.contrib_shapes import infer_shapes
+    nodes = [helper.make_node("FusedMatMul", ["x", "w"], ["h"], domain="com.microsoft", transB=1),
+             helper.make_node("FusedMatMul", ["h", "v"], ["o"], domain="com.microsoft", alpha=0.5),
+             helper.make_node("Softmax", ["o"], ["p"], axis=-1)]
+    graph = helper.make_graph(nodes, "chain", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 16]),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, [32, 16]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 32, 8])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    inferred = infer_shapes(model, strict_mode=True)
+    shapes = {vi.name: [d.dim_value or d.dim_param for d in vi.type.tensor_type.shape.dim]
+              for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert shapes["h"] == ["batch", "seq", 32] and shapes["o"] == ["batch", "seq", 8]
+    assert shapes["p"] == ["batch", "seq", 8]

@@ -105,9 +105,11 @@ def infer_shapes(model: onnx.ModelProto, **options) -> onnx.ModelProto:
     """`onnx.shape_inference.infer_shapes`, then the contrib ops' outputs typed and inference run
     again from them, until nothing new is typed (once per contrib op on the longest chain)."""
     inferred = shape_inference.infer_shapes(model, **options)
+    typed: set[str] = set()
     while True:
-        found = _typed_contrib_outputs(inferred.graph)
+        found = [vi for vi in _typed_contrib_outputs(inferred.graph) if vi.name not in typed]
         if not found:
             return inferred
+        typed.update(vi.name for vi in found)
         inferred.graph.value_info.extend(found)
         inferred = shape_inference.infer_shapes(inferred, **options)
