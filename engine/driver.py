@@ -167,8 +167,9 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                    forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
     judges. The search is over the budget given to the model: the user's budget first, then a
-    secant step by what the simulation said (down by the overshoot, then at least doubling; up
-    by the slack), bisecting where the step leaves the bracket. Each probe builds and simulates
+    secant step by what the simulation said (down by the overshoot, then by the secant of two
+    overshooting probes, or at least doubling where the simulation did not move; up by the
+    slack), bisecting where the step leaves the bracket. Each probe builds and simulates
     a whole rewrite (seconds on a large model), so it is built only when it could pay: a model
     budget whose choice is a selection already built, or saves too little extra time over the
     best fitting rewrite, is judged without building. The search ends when the best rewrite
@@ -252,6 +253,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     best: Rewrite | None = None
     model = min(max(target, lowest), hi - 1)
     probes = down = 0
+    over: tuple[int, int] | None = None     # the last overshooting probe: (model budget, simulated)
     cheapest_over: float | None = None      # the extra time of the choice at hi, which overshot
 
     def small(gain: float) -> bool:
@@ -282,12 +284,21 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
         else:
-            # Down by the overshoot (the secant, taking the simulation to move with the model); a
-            # second step down is at least an eighth of the way to the floor and twice the last:
-            # the allocator rounds small changes away (a probe 4 MiB lower can simulate exactly
-            # as high), so steps of the overshoot alone can crawl.
+            # Down by the overshoot (the secant, taking the simulation to move with the model).
+            # A second step down follows the secant of the two overshooting probes, with a
+            # margin, where the simulation moved with the model between them; where it did not
+            # (the allocator rounds small changes away: a probe 4 MiB lower can simulate exactly
+            # as high), it is at least an eighth of the way to the floor and twice the last, so
+            # steps of the overshoot alone cannot crawl.
             overshoot = done.simulated_peak - target
-            down = overshoot if not down else max(overshoot, 2 * down, (model - lo) // 8)
+            slope = 0.0 if over is None else (over[1] - done.simulated_peak) / max(1, over[0] - model)
+            if not down:
+                down = overshoot
+            elif slope >= 0.5:
+                down = int(overshoot / min(slope, 1.0) * 1.5) + target // 200
+            else:
+                down = max(overshoot, 2 * down, (model - lo) // 8)
+            over = (model, done.simulated_peak)
             hi, step, cheapest_over = model, model - down, done.choice.extra_seconds
         model = step if step is not None and lo < step < hi else (lo + hi) // 2
         if hi - lo <= max(target // 100, 1):

@@ -67,11 +67,13 @@ BUILT = [r.name for r in RULES.rules if not unsupported(r)]
 
 
 def test_the_shipped_rules_engine_testing_cannot_build_name_only_backend_ops():
-    """engine.testing builds graphs of ONNX ops (both backends run those); a rule whose pattern
-    names only torch's spelling of an op (a fused attention kernel) is skipped by the plugin."""
+    """engine.testing builds graphs of deterministic ONNX ops (both backends run those, and two
+    runs must agree); a rule whose pattern names only torch's spelling of an op (a fused attention
+    kernel) or a random op (Dropout) is skipped by the plugin."""
     for rule in RULES.rules:
         if rule.name not in BUILT:
-            assert all("::" in op for p in rule.node_patterns() if not supported_ops(p) for op in p.ops), rule.name
+            assert all("::" in op or op in RULES.nondeterministic
+                       for p in rule.node_patterns() if not supported_ops(p) for op in p.ops), rule.name
     assert len(BUILT) >= 10
 
 

@@ -5,8 +5,10 @@ further (its pattern matcher changes the loss's backward), AOTAutograd's min-cut
 splits it into a forward and a backward graph and chooses what the forward saves (recomputing
 cheap pointwise ops in the backward on its own), and Inductor fuses pointwise chains so that most
 of their values never get a buffer. A liveness walk of the joint graph missed all of that
-(the GPT-like step of docs/design.md: 585 MiB estimated, 461 MiB measured). So the estimate runs those
-passes and the partitioner itself, on a copy, the way Inductor calls them, joins the forward and
+(the GPT-like step of docs/design.md: 585 MiB estimated, 461 MiB measured). So the estimate runs
+the partitioner itself, on a copy, the way Inductor calls it (of Inductor's joint passes it runs
+only `remove_noop_ops` and models one pattern, `_scatter_upon_constant`: running them all was
+half of each simulation's time, and gave the same estimate on every rewrite measured), joins the forward and
 the backward into one step (the backward's saved inputs are the forward's values), makes of it
 the program Inductor runs (`program`: kernels and buffers) and walks that with
 `engine.analysis.simulate_peak` under Inductor's memory planning (`inductor_memory`):
@@ -47,7 +49,8 @@ from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
 from engine.shapes import evaluate
 
-from .importer import _DTYPES, _dim
+from .importer import _DTYPES, PLAN, _dim
+from .modules import working_module
 
 _ATEN = torch.ops.aten
 # Not tagged pointwise, but Inductor lowers each as one (an indexed or constant load, a copy):
@@ -93,7 +96,28 @@ def _tuple_of_views(node: fx.Node) -> bool:
 
 def _is_pointwise(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and (target in _INLINED or torch.Tag.pointwise in getattr(target, "tags", ()))
+    return node.op == "call_function" and (target in _INLINED or torch.Tag.pointwise in getattr(target, "tags", ())
+                                           or _scatter_upon_constant(node))
+
+
+def _scatter_upon_constant(node: fx.Node) -> bool:
+    """A scalar scattered onto a `full` at one index per row (a one-hot): Inductor's joint-graph
+    pattern `scatter_upon_const_tensor` makes it a pointwise `where(iota == index, value, fill)`,
+    so it is computed inside its readers (the cross-entropy backward's one-hot). The peak model
+    does not run Inductor's pattern passes (`_remove_noop_ops`), so it models this one."""
+    import torch._inductor.config as inductor_config
+
+    if node.target is not _ATEN.scatter.value or not inductor_config.optimize_scatter_upon_const_tensor:
+        return False
+    full, dim, selector = node.args[0], node.args[1], node.args[2]
+    if not (isinstance(full, fx.Node) and full.target is _ATEN.full.default and len(full.users) == 1
+            and isinstance(selector, fx.Node) and isinstance(dim, int)):
+        return False
+    shape, index = full.meta.get("val"), selector.meta.get("val")
+    if not (isinstance(shape, torch.Tensor) and isinstance(index, torch.Tensor) and index.dim() == shape.dim()):
+        return False
+    dim = dim + shape.dim() if dim < 0 else dim
+    return index.shape[dim] == 1 and all(i >= f for d, (i, f) in enumerate(zip(index.shape, shape.shape)) if d != dim)
 
 
 def _is_reduction(node: fx.Node) -> bool:
@@ -203,24 +227,24 @@ def partition(joint: fx.Graph, owner: torch.nn.Module | None) -> tuple[fx.GraphM
 
     copy_graph = fx.Graph()
     copy_graph.output(copy_graph.graph_copy(joint, {}))
-    module = fx.GraphModule(owner if owner is not None else {}, copy_graph)
+    module = working_module(owner if owner is not None else {}, copy_graph)
     primals = sum(1 for n in joint.nodes if n.op == "placeholder" and n.name.startswith("primals"))
     own = len(next(n for n in joint.nodes if n.op == "output").args[0]) - primals
-    module = _inductor_joint_passes(module)
+    _remove_noop_ops(module)
     forward, backward = min_cut_rematerialization_partition(module, None, compiler="inductor", num_fwd_outputs=own)
     return forward, backward, own
 
 
-def _inductor_joint_passes(module: fx.GraphModule) -> fx.GraphModule:
-    """Inductor's own joint-graph passes, which run after remat's and before the partitioner
-    (its pattern matcher rewrites the loss's backward, among others: measured 585 against 462
-    MiB on the GPT-like step without them). remat's pass is off for the call."""
-    import torch._inductor.config as inductor_config
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+def _remove_noop_ops(module: fx.GraphModule) -> None:
+    """The one joint pass of Inductor's the walk needs run rather than modelled: it drops ops
+    that copy or alias their input unchanged (a clone, a same-dtype convert, a view to the same
+    shape), which would otherwise be buffers of their own (the GPT-like step: 522 MiB without it,
+    462 with it and with every joint pass). The others (pattern rewrites, constant folding) cost
+    half of each simulation and change nothing the walk counts but `_scatter_upon_constant`."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
-    with inductor_config.patch(joint_custom_pre_pass=None):
-        result = joint_graph_passes(module)
-    return result if isinstance(result, fx.GraphModule) else module
+    remove_noop_ops(module.graph)
+    module.graph.eliminate_dead_code()
 
 
 def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: int) -> Step:
@@ -257,7 +281,7 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
                 if part == "bw":
                     step.backward.add(env[node].name)
     graph.output(tuple(outputs))
-    step.module = fx.GraphModule(owner, graph)
+    step.module = working_module(owner, graph)
     return step
 
 
@@ -351,7 +375,8 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
     nodes = []
     allocated: set[int] = set()
     for kernel in _schedule(kernels):
-        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name)
+        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
+                    plan=kernel.fx.meta.get(PLAN))
         if kernel.cat is not None:     # the first slice to run allocates the cat's output
             (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
             allocated.add(id(kernel.cat))
@@ -597,5 +622,10 @@ def estimated_step_peak(joint: fx.Graph, owner: torch.nn.Module | None = None) -
 
 
 def estimated_step(joint: fx.Graph, owner: torch.nn.Module | None = None) -> PeakEstimate:
-    """estimated_step_peak's walk, with the bytes at every node of the step."""
-    return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))
+    """estimated_step_peak's walk, with the bytes at every node of the step. The modules made on
+    the way (the partitioner's too) are lazy: their code is never run, and generating it was a
+    fifth of a 16-layer simulation."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))

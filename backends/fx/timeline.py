@@ -1,8 +1,8 @@
 """`backends.fx.analyze(model, inputs, timeline="out.png")`: memory over a torch step, before and after.
 
 The joint graph is captured as torch.compile hands it to its backend (AOTAutograd with
-Inductor's decompositions). Simulated: the torch path's peak model (backends/fx/peak.py: Inductor's
-joint passes and the min-cut partitioner on a copy, the forward then the backward walked with
+Inductor's decompositions). Simulated: the torch path's peak model (backends/fx/peak.py: the min-cut
+partitioner on a copy, the forward then the backward walked with
 Inductor's fusion and buffer reuse) on the joint graph as given and on remat's rewrite of it, the
 nodes each plan made or tagged shaded. Measured (`measure=True`): one step of `torch.compile(model)`
 and of `torch.compile(model, backend=remat)`, compiled by Inductor, under torch's profiler; its
