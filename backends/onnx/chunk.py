@@ -253,16 +253,14 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, run.size_dim))
                 for o in node.outputs]
         attrs = dict(node.attrs)
+        written = outs
         if id(node) in divisors:
             attrs["reduction"] = "sum"
-            summed = Value(names(f"{node.outputs[0].name}_slice_sum"), outs[0].dtype, outs[0].shape)
-            g.nodes.append(Node(node.op, inputs, [summed], attrs, names(f"{node.name}_slice"),
-                                attr_defaults=node.attr_defaults))
-            g.nodes.append(Node("Div", [summed, divisors[id(node)]], outs, {}, names(f"{node.name}_mean")))
-            env[id(node.outputs[0])] = outs[0]
-            continue
-        g.nodes.append(Node(node.op, inputs, outs, attrs, names(f"{node.name}_slice"),
+            written = [Value(names(f"{node.outputs[0].name}_slice_sum"), outs[0].dtype, outs[0].shape), *outs[1:]]
+        g.nodes.append(Node(node.op, inputs, written, attrs, names(f"{node.name}_slice"),
                             attr_defaults=node.attr_defaults))
+        if id(node) in divisors:
+            g.nodes.append(Node("Div", [written[0], divisors[id(node)]], outs[:1], {}, names(f"{node.name}_mean")))
         for o, new in zip(node.outputs, outs):
             env[id(o)] = new
     cond_out = g.add("Identity", [cond], "cond_out", DType.BOOL, ())

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper
 
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
@@ -15,6 +15,7 @@ from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.report import symbolic_dims
 from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
 
+from .contrib_shapes import infer_shapes
 from .dtypes import to_ir
 
 DIM_EXAMPLES_KEY = "remat.dim_examples"
@@ -59,7 +60,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     check_structure(model.graph, label)
     check_onnx(model if isinstance(source, onnx.ModelProto) else Path(source), label)
     try:
-        inferred = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        inferred = infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:
         raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
     opsets = {op.domain or "": op.version for op in model.opset_import}

@@ -164,12 +164,13 @@ class _Grower:
         """Add `node`: derive its output meta from its sliced inputs (or take `required`),
         then slice, pull in, or pass whole each input it reads from outside."""
         kind = self.kind(node)
-        if len(node.outputs) != 1:
-            raise Refused(f"{node.op} {node.name} has {len(node.outputs)} outputs")
         inputs = [self.source(v) if kind == "reshape" else v for v in node.present_inputs()]
         if any(id(v.producer) in self.elided for v in inputs if v.producer is not None):
             raise Refused(f"{node.op} {node.name} reads a reshape remat cannot slice")
         dm = dim_map(node, kind, inputs)
+        if len(node.outputs) != 1 + len(dm.extra_outputs) or any(o is None for o in node.outputs):
+            raise Refused(f"{node.op} {node.name} has {len(node.outputs)} outputs; its kind `{kind}` carries "
+                          f"dims to {1 + len(dm.extra_outputs)}")
         if kind == "reshape":
             m = self.meta.get(id(inputs[0]))
             if (m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
@@ -240,8 +241,15 @@ class _Grower:
         if need_sum and dm.mean:
             self.means.append(node)
         scaled = self.scaled(node, inputs)
-        for o in node.outputs:
-            self.meta[id(o)] = ChunkMeta(out_dim, need_sum, scaled)
+        self.meta[id(node.outputs[0])] = ChunkMeta(out_dim, need_sum, scaled)
+        # outputs after the first (a norm's statistics, a loss's log_prob) follow input 0's dim
+        first = self.meta.get(id(inputs[0]), ChunkMeta()).dim if dm.extra_outputs else None
+        for k, (o, mapping) in enumerate(zip(node.outputs[1:], dm.extra_outputs), start=1):
+            dim = None if first is None else next((d for d, i in mapping.items() if i == first), -1)
+            if dim == -1:
+                raise Refused(f"{node.op} {node.name} does not carry dim {first} of %{inputs[0].name} to "
+                              f"its output {k}")
+            self.meta[id(o)] = ChunkMeta(dim, False, scaled)
 
     def source(self, v: Value) -> Value:
         """`v`, or what it reshapes when its reshape is skipped inside the slices."""
@@ -307,6 +315,10 @@ class _Grower:
         first = over[0]
         self.size = first.shape[norm_dim(action.dim, rank_of(first))]
         self.include(root)
+        if self.meta[id(root.outputs[0])].need_sum:
+            raise Refused(f"slicing %{first.name} along dim {action.dim} slices the dim {root.op} {root.name} "
+                          f"contracts (a transposed operand): each slice is a partial sum of all of "
+                          f"%{root.outputs[0].name}, not a slice of it")
         for node in self.readers_after(self.position[id(root)]):
             if id(node) in self.region:
                 continue

@@ -14,7 +14,8 @@ from ...ir import Node, Value
 CHUNK_KINDS = {
     "pointwise": "broadcasting elementwise: each output dim is the same dim of every input",
     "matmul": "batch dims and rows from the first input, columns from the second; the "
-              "contracted dim is summed",
+              "contracted dim is summed (transA and transB, as Gemm and FusedMatMul write them, swap an "
+              "input's last two dims; Gemm's third input is broadcast to the output)",
     "transpose": "output dim i is input dim perm[i]",
     "reshape": "a dim is kept where it has the same size after the same number of elements",
     "sum": "a sum over axes: slicing a summed axis gives partial sums",
@@ -30,8 +31,11 @@ CHUNK_KINDS = {
     "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
     "nll_loss": "a loss over the class dim 1 of its input, picked by a target of the other dims (ONNX "
-                "NegativeLogLikelihoodLoss): those dims are kept (reduction none) or summed; a mean "
-                "runs as a sum in each slice, divided by the total weight of every slice's targets",
+                "NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss): those dims are kept (reduction none) "
+                "or summed; a mean runs as a sum in each slice, divided by the total weight of every "
+                "slice's targets; a second output (SoftmaxCrossEntropyLoss's log_prob) has the input's dims",
+    "norm": "a normalization over the dims from `axis` on (LayerNormalization): the dims before it are "
+            "carried, to its statistics outputs (mean, inverse deviation) too; the others cannot be sliced",
 }
 
 # Inputs an op of a kind reads only for their shape or type, not their values: nothing the
@@ -40,7 +44,7 @@ TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
 MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
-              "nll_loss": 2}
+              "nll_loss": 2, "norm": 1}
 
 
 
@@ -56,6 +60,8 @@ class DimMap:
     summed: list[list[tuple[int, int]]] = field(default_factory=list)   # (input, dim) summed together
     blocked: set[tuple[int, int]] = field(default_factory=set)          # (input, dim) never sliced
     mean: bool = False      # the summed dims are averaged: a slice sums, the builder divides once
+    # outputs after the first, each as output dim -> dim of input 0 (its statistics, its log_prob)
+    extra_outputs: list[dict[int, int]] = field(default_factory=list)
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -159,10 +165,24 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         ra, rb = rank_of(a), rank_of(b)
         if ra < 2 or rb < 2:
             raise Refused(f"{node.op} {node.name}: a 1-D operand")
+        if _param(node, "transBatchA") or _param(node, "transBatchB"):
+            raise Refused(f"{node.op} {node.name}: it transposes batch dims (transBatchA, transBatchB)")
+        ta, tb = bool(_param(node, "transA")), bool(_param(node, "transB"))
         ma, mb = _broadcast(a, out, rank - 2), _broadcast(b, out, rank - 2)
-        ma[rank - 2] = ra - 2
-        mb[rank - 1] = rb - 1
-        return DimMap([ma, mb], summed=[[(0, ra - 1), (1, rb - 2)]])
+        rows, k_a = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
+        cols, k_b = (rb - 2, rb - 1) if tb else (rb - 1, rb - 2)
+        ma[rank - 2] = rows
+        mb[rank - 1] = cols
+        contracted = [(0, k_a), (1, k_b)]
+        if len(inputs) > 2:     # Gemm's C, broadcast to the output: added once, so never a partial sum
+            return DimMap([ma, mb, _broadcast(inputs[2], out, rank)], blocked=set(contracted))
+        return DimMap([ma, mb], summed=[contracted])
+    if kind == "norm":
+        r = rank_of(inputs[0])
+        axis = norm_dim(int(_param(node, "axis") if _param(node, "axis") is not None else -1), r)
+        kept = {o: o for o in range(axis)}
+        return DimMap([dict(kept)], blocked={(0, d) for d in range(axis, r)},
+                      extra_outputs=[dict(kept) for _ in node.outputs[1:]])
     if kind == "transpose":
         perm = _int_list(_param(node, "perm"))
         if perm is None:
@@ -223,12 +243,15 @@ def _nll_loss_map(node: Node, inputs: list[Value]) -> DimMap:
     reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
     target_dims = {0: 0, **{d: d - 1 for d in range(2, r)}}     # input dim -> target dim
     blocked = {(0, 1)}
+    # SoftmaxCrossEntropyLoss's log_prob has the input's dims (not a total weight, a scalar)
+    log_prob = [{d: d for d in range(r)} for o in node.outputs[1:2]
+                if o is not None and o.shape is not None and len(o.shape) == r]
     if reduction == "none":
         return DimMap([{t: d for d, t in target_dims.items()}, {t: t for t in target_dims.values()}],
-                      blocked=blocked)
+                      blocked=blocked, extra_outputs=log_prob)
     if reduction not in ("sum", "mean"):
         raise Refused(f"{node.op} {node.name}: unknown reduction {reduction!r}")
     return DimMap([{}, {}], summed=[[(0, d), (1, t)] for d, t in target_dims.items()], blocked=blocked,
-                  mean=reduction == "mean")
+                  mean=reduction == "mean", extra_outputs=log_prob)
 
 
