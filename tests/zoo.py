@@ -105,6 +105,7 @@ RETURNS = ("loss",          # forward returns the loss
 # Every switch and its values (the defaults first).
 SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "norm": NORMS, "mlp": MLPS,
             "heads": HEADS, "rope": (False, True), "bias": (True, False), "dropout": (False, True),
+            "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
             "logits": LOGITS, "returns": RETURNS, "graph_break": (False, True), "checkpoint": (False, True),
             "dynamic": (False, True)}
@@ -131,7 +132,8 @@ class Variant:
     heads: str = "mha"
     rope: bool = False              # rotary embeddings on q and k (rotate_half, torch.cat)
     bias: bool = True               # biases in the block's Linear layers (LLaMA: none)
-    dropout: bool = False           # nn.Dropout(0.0) modules and SDPA dropout_p=0.0 (nanoGPT's default)
+    dropout: bool = False           # nn.Dropout(dropout_p) modules and SDPA dropout_p=0.0 (nanoGPT)
+    dropout_p: float = 0.0          # the Dropout modules' probability (steps seeded, fallback_random)
     inplace: bool = False           # scores.div_/mul_, masked_fill_, scores += mask, F.relu(inplace=True)
     tied: bool = False
     precision: str = "fp32"
@@ -222,7 +224,7 @@ class Attention(nn.Module):
             self.q = nn.Linear(d, d, bias=v.bias)
             self.kv = nn.Linear(d, 2 * self.kvh * self.hd, bias=v.bias)
         self.proj = nn.Linear(d, d, bias=v.bias)
-        self.attn_drop = nn.Dropout(0.0)
+        self.attn_drop = nn.Dropout(v.dropout_p)
         if v.scale == "nn_mha":
             self.mha = nn.MultiheadAttention(d, heads, bias=v.bias, batch_first=True)
         causal = torch.tril(torch.ones(seq, seq))
@@ -365,7 +367,7 @@ class MLPBlock(nn.Module):
         if v.mlp == "swiglu":
             self.gate = nn.Linear(d, hidden, bias=False)
         self.out = nn.Linear(hidden, d, bias=v.bias)
-        self.drop = nn.Dropout(0.0)
+        self.drop = nn.Dropout(v.dropout_p)
 
     def forward(self, x):
         a = self.fc(x)
@@ -423,7 +425,7 @@ class GPT(nn.Module):
         self.v = v
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
-        self.drop = nn.Dropout(0.0)
+        self.drop = nn.Dropout(v.dropout_p)
         self.blocks = nn.ModuleList(Block(v, d, heads, seq) for _ in range(v.layers))
         self.ln = make_norm(v.norm, d)
         if v.logits == "linear_module":
@@ -729,7 +731,8 @@ def _steps(module, model, batches) -> list[tuple[torch.Tensor, dict[str, torch.T
     """A training step of `module` (the model or its compiled form) per batch: loss and the
     gradients of `model`'s parameters."""
     out = []
-    for inputs in batches:
+    for k, inputs in enumerate(batches):
+        torch.manual_seed(k)            # the same dropout masks in eager and compiled steps
         loss = _step(module, inputs)
         out.append((loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}))
         model.zero_grad(set_to_none=True)
@@ -745,7 +748,7 @@ def _compiled_steps(model, batches, backend, dynamic: bool):
 
     torch._dynamo.reset()
     try:
-        with inductor_config.patch(fx_graph_cache=False, emulate_precision_casts=True), \
+        with inductor_config.patch(fx_graph_cache=False, emulate_precision_casts=True, fallback_random=True), \
                 functorch_config.patch(enable_autograd_cache=False):
             return _steps(torch.compile(model, backend=backend, dynamic=dynamic or None), model, batches)
     finally:
@@ -847,6 +850,10 @@ FIXED: list[Variant] = [
     # baddbmm, HF's softmax(dtype=float32), a hand-written loss. Neither chunk fires: baddbmm is
     # not a MatMul, and the logits are a graph output. So the attention probabilities are kept
     # whole: recompute_softmax's work.
+    # Dropout switched on (0.1, HF's default): each dropout output is replayed in backward from
+    # its kept mask (recompute_dropout), the masks the same as eager's (fallback_random, seeded).
+    V("gpt_dropout_train", dropout=True, dropout_p=0.1, tiers=("expensive",),
+      expect=("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
       expect=("recompute_softmax", "recompute_norm", "recompute_activation")),
