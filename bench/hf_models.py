@@ -34,17 +34,10 @@ import json
 import os
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("REMAT_STRICT", "1")       # an internal error is raised, never hidden by a fallback
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
 ROOT = Path(__file__).resolve().parent.parent
-# tests/ first: its zoo.py (count_firings) shares a name with bench/zoo.py.
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 MARK = "HF-ROW "
 MODELS = ("gpt2", "llama", "bert", "t5")
@@ -94,7 +87,12 @@ def gpt2(vocab=SIZE["vocab"], d=SIZE["d"], layers=SIZE["layers"], heads=SIZE["he
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                      attn_implementation=attention)
     ids = _tokens((batch, seq), vocab)
-    return _wrap(GPT2LMHeadModel(cfg), ("input_ids", "labels")), (ids, ids.clone())
+    model = GPT2LMHeadModel(cfg)
+    # The loss transformers picks for a model whose class name is not `...ForCausalLM`, named: left
+    # unnamed, its `loss_function` logs a warning, a graph break for torch.compile that puts the
+    # loss in a graph of its own, apart from the LM head (so no linear + cross-entropy to chunk).
+    model.loss_type = "ForCausalLM"
+    return _wrap(model, ("input_ids", "labels")), (ids, ids.clone())
 
 
 def llama(vocab=SIZE["vocab"], d=SIZE["d"], layers=SIZE["layers"], heads=SIZE["heads"], batch=SIZE["batch"],
@@ -233,10 +231,13 @@ def onnx_child(model: str, exporter: str, args) -> list[dict]:
     from backends.onnx.user_module import check_loss, load_factory
     from dsl.loader import load_rules
 
+    args.stage = "export"
     step = load_factory(f"hf_models:{model}")
     check_loss(step)
     exported = export_training_step(step.module, step.inputs, ["input_ids", "labels"], exporter=exporter)
+    args.stage = "the export's check"
     verify(exported)                # as `remat export` does: the export itself within 1e-4 of torch
+    args.stage = "remat apply"
     rewrite = apply_rules(import_model(exported.model), load_rules(), tiers=args.tiers)
     rewritten = export_model(rewrite.graph)
     check_exported(rewritten)
@@ -244,6 +245,7 @@ def onnx_child(model: str, exporter: str, args) -> list[dict]:
     for label, onnx_model, fired in (("original", exported.model, None),
                                      ("remat", rewritten, _fired([rewrite.result], [rewrite.chunk_result]
                                                                  if rewrite.chunk_result else []))):
+        args.stage = f"the {'rewritten' if label == 'remat' else 'original'} graph in ONNX Runtime"
         loss_err, grad_err = _errors(*_outputs_and_reference(exported, onnx_model))
         peak = measure(onnx_model, exported.feeds, repeats=1, threads=args.threads).peak_mib
         rows.append({"model": model, "path": f"onnx/{exporter}/{label}", "peak": peak, "fired": fired,
@@ -259,7 +261,8 @@ def child(args) -> None:
         else:
             rows = onnx_child(model, path, args)
     except Exception as exc:  # noqa: BLE001 - the row's failure, in one line
-        print(MARK + json.dumps({"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}))
+        stage = f"{args.stage}: " if getattr(args, "stage", None) else ""
+        print(MARK + json.dumps({"error": f"{stage}{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}))
         return
     print(MARK + json.dumps({"rows": rows}))
 
@@ -296,6 +299,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    os.environ.setdefault("REMAT_STRICT", "1")   # an internal error is raised, never hidden by a fallback
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.child:
         child(args)
         return
@@ -346,4 +352,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # tests/ first: its zoo.py (count_firings) shares a name with bench/zoo.py.
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
     main()
