@@ -1,6 +1,7 @@
 """The ONNX backend: import/export, CSE-proof clones in a default session, measurement."""
 import collections
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -87,3 +88,20 @@ def test_undefined_input_names_the_node():
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
     with pytest.raises(GraphError, match="lonely.*reads 'ghost'"):
         import_model(model)
+
+
+def test_empty_list_attribute_roundtrips():
+    """torch.onnx writes `Constant(value_ints=[])` (an empty shape; the aot-joint export of Hugging
+    Face's GPT-2): written back with the type its schema gives, not refused by onnx.helper."""
+    empty = onnx.helper.make_attribute("value_ints", [], attr_type=onnx.AttributeProto.INTS)
+    const = onnx.helper.make_node("Constant", [], ["shape"], name="empty_shape")
+    const.attribute.append(empty)
+    reshape = onnx.helper.make_node("Reshape", ["x", "shape"], ["y"], name="to_scalar")
+    graph = onnx.helper.make_graph([const, reshape], "g", [onnx.helper.make_tensor_value_info("x", 1, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", 1, [])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
+    again = export_model(import_model(model), for_onnxruntime=False)
+    written = next(n for n in again.graph.node if n.op_type == "Constant").attribute[0]
+    assert (written.name, written.type, list(written.ints)) == ("value_ints", onnx.AttributeProto.INTS, [])
+    feeds = {"x": np.array([3.0], dtype=np.float32)}
+    assert run(again, feeds)["y"].shape == ()

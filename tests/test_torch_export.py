@@ -55,3 +55,38 @@ def test_dynamic_batch_and_seq_give_formulas(tmp_path):
     feeds = dict(np.load(path.with_suffix(".inputs.npz")))
     rewritten = export_model(apply(graph, load_rules(), tiers=["expensive"]).graph)
     assert max_relative_error(run(rewritten, feeds), run(path, feeds))[0] <= 1e-4
+
+
+class _ScaledByBuffer(torch.nn.Module):
+    """A module with a buffer (as Llama's rotary frequencies, BERT's position ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).square().mean()
+
+
+def test_aot_joint_exports_a_module_with_buffers(tmp_path):
+    from backends.onnx.torch_export import export_checked
+
+    torch.manual_seed(0)
+    module = _ScaledByBuffer()
+    path, error = export_checked(module, (torch.randn(4, 8),), tmp_path / "buf.onnx", ["x"], exporter="aot-joint")
+    assert error < 1e-4
+    import onnx
+
+    inputs = [i.name for i in onnx.load(str(path)).graph.input]
+    assert inputs == ["x", "linear_weight", "linear_bias"]        # the buffer is a constant, not an input
+
+
+def test_gradient_check_treats_rounding_noise_as_zero():
+    from backends.onnx.torch_export import relative_errors
+
+    want = {"loss": np.array(2.0), "grad.w": np.array([1.0, -0.5]), "grad.key_bias": np.array([3e-12, -1e-12])}
+    got = {"loss": np.array(2.0), "grad.w": np.array([1.0, -0.5]), "grad.key_bias": np.array([5e-12, 2e-12])}
+    assert max(relative_errors(got, want).values()) < 1e-4         # not 1.0, the noise against itself
+    got["grad.w"] = np.array([1.001, -0.5])
+    assert relative_errors(got, want)["grad.w"] == pytest.approx(1e-3)

@@ -99,6 +99,16 @@ def _dim_param(d) -> str | None:
 def _attribute(node: Node, name: str, value: Any) -> onnx.AttributeProto:
     if isinstance(value, DType) and (node.op_type, name) in DTYPE_ATTRIBUTES:
         value = to_onnx(value)
+    if isinstance(value, (list, tuple)) and not value:
+        # An empty list has no element to tell its type by (torch.onnx writes `Constant(value_ints=[])`
+        # for an empty shape): the op's schema says it.
+        domain, _, op_type = node.op.rpartition("::")
+        try:
+            return helper.make_attribute(name, value, attr_type=onnx.defs.get_schema(op_type, domain=domain)
+                                         .attributes[name].type)
+        except (onnx.defs.SchemaError, KeyError):
+            raise RematError(f"node {node.name or node.op}: cannot write its empty list attribute {name!r}, "
+                             f"whose type no ONNX schema gives") from None
     return helper.make_attribute(name, value)
 
 
