@@ -284,7 +284,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
         else:
-            # Down by the overshoot (the secant, taking the simulation to move with the model).
+            # Down by the overshoot and a margin (the secant, taking the simulation to move with
+            # the model).
             # A second step down follows the secant of the two overshooting probes, with a
             # margin, where the simulation moved with the model between them; where it did not
             # (the allocator rounds small changes away: a probe 4 MiB lower can simulate exactly
@@ -292,8 +293,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             # steps of the overshoot alone cannot crawl.
             overshoot = done.simulated_peak - target
             slope = 0.0 if over is None else (over[1] - done.simulated_peak) / max(1, over[0] - model)
-            if not down:
-                down = overshoot
+            if not down:        # with a margin: a first step of the overshoot alone tends to land just over
+                down = overshoot + max(overshoot // 8, target // 100)
             elif slope >= 0.5:
                 down = int(overshoot / min(slope, 1.0) * 1.5) + target // 200
             else:
