@@ -138,3 +138,20 @@ def test_without_a_budget_a_plan_the_simulation_says_raises_the_peak_is_left_out
         assert f"Not applied: {', '.join(withheld)};" in done.report()
     error, where = max_relative_error(run(export_model(done.graph), feeds), run(model, feeds))
     assert error <= 1e-4, where
+
+
+@pytest.mark.parametrize("matmul", ["MatMul+Add", "Gemm"])
+def test_a_biased_projection_spelled_matmul_then_add_or_gemm_is_chunked(shipped, matmul):
+    """The head as an ONNX graph, its bias added by an Add after the MatMul or as Gemm's C: the
+    bias's gradient is summed over the slices, the loss and every gradient as the original's."""
+    from training_graphs import build_ort_loss_head
+
+    model, feeds = build_ort_loss_head(512, 32, 8192, ignored=37, matmul=matmul)
+    rewrite = apply_rules(import_model(model), shipped, strict=True)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    loops = [n for n in rewrite.graph.nodes if n.op == "Loop"]
+    assert max(o.numel for n in rewrite.graph.nodes if n.op != "Loop" for o in n.outputs
+               if o.shape is not None) < 512 * 8192          # no logits outside the slices
+    assert loops
+    error, where = max_relative_error(run(export_model(rewrite.graph), feeds), run(model, feeds))
+    assert error <= 1e-4, where
