@@ -71,7 +71,9 @@ class Rewrite:
     not_built: list[str] = field(default_factory=list)          # planned but not buildable
     failures: list[PlanFailure] = field(default_factory=list)   # internal errors: sites skipped
     choice: "Choice | None" = None          # the budget planner's, when a budget was given
-    simulated_peak: int | None = None       # of the rewritten graph, when a budget was given
+    simulated_peak: int | None = None       # of the rewritten graph, when a budget was given or none
+    original_peak: int | None = None        # of the graph as given, simulated, when no budget was given
+    withheld: list[str] = field(default_factory=list)   # plans left out: with them the peak rose
 
     @property
     def graph(self) -> Graph:
@@ -84,6 +86,10 @@ class Rewrite:
             parts.append(f"Built {self.chunked} chunk region(s) as {self.built_as}.")
             parts.extend(f"not built: {f}" for f in self.not_built)
         parts.append(self.result.report())
+        if self.withheld:
+            parts.append(f"Not applied: {', '.join(self.withheld)}; with them the backend's simulation put the "
+                         f"step's peak above the original's {self.original_peak / 2**20:.1f} MiB (without them "
+                         f"{self.simulated_peak / 2**20:.1f} MiB).")
         if self.choice is not None:
             parts.append(self.choice.describe() + (f"; the rewritten graph simulates at "
                                                    f"{self.simulated_peak / 2**20:.1f} MiB"
@@ -128,11 +134,13 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
             strict: bool | None = None,
             on_failure: Callable[[PlanFailure], None] | None = None,
             budget: "Budget | str | float | int | None" = None,
-            device: "DeviceProfile | None" = None) -> Rewrite:
+            device: "DeviceProfile | None" = None, never_above_original: bool = False) -> Rewrite:
     """Apply `rules` to the builder's graph (see the module docstring). `on_failure` hears of
     each internal error that made a site be skipped; strict mode raises the first instead.
     With a `budget` the planner chooses the plans (engine.budget), not a config; the result
-    is simulated again and the program tightened while it is over the budget."""
+    is simulated again and the program tightened while it is over the budget. With neither,
+    every plan is applied; `never_above_original`: but for the plans with which the backend's
+    simulation puts the peak above the graph as given (`_never_above_original`)."""
     entries = parse_config(config) if isinstance(config, str) else config
     if budget is not None and entries is not None:
         raise ConfigError("give a config (the plans by hand) or a budget (the planner chooses), not both")
@@ -147,6 +155,8 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
             on_failure(failure)
 
     def attempt(excluded: frozenset[Site]) -> Rewrite:
+        if budget is None and entries is None and never_above_original:
+            return _never_above_original(builder, rules, tiers, forward_outputs, strict, excluded)
         if budget is None:
             builder.start()
             return _attempt(builder, rules, entries, tiers, forward_outputs, strict, excluded)
@@ -312,6 +322,56 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             raise BudgetError(target, best.simulated_peak, original_peak(), tiers)
     if holding is not best:         # the builder holds another probe's graph: rebuild the best one
         best = everything() if best is floor else build(best.choice, best.simulated_peak)
+    return best
+
+
+def _never_above_original(builder: Builder, rules: RuleSet, tiers: tuple[str, ...],
+                          forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
+    """Every plan the rules offer (no budget, no config), less the plans with which the backend's
+    simulation puts the step's peak above the graph as given: a plan saves its stash on its own,
+    but where the backend runs the rewritten graph in another order, or keeps a recomputed value
+    alive with others, the peak can rise. While the rewrite simulates above the original, the plan
+    (every occurrence of one plan key) whose leaving out lowers the simulated peak most is left
+    out; where none lowers it, none is applied. Two simulations where nothing rises (ONNX, BERT:
+    about a second each); a rewrite and a simulation per plan tried where something does."""
+    builder.start()
+    original = builder.simulate(builder.current(True))
+    builder.start()
+    done = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded)
+    done.simulated_peak, done.original_peak = builder.simulate(done.result.graph), original
+    if not original or done.simulated_peak <= original:
+        return done
+    sites: dict[str, list[Site]] = {}
+    for result in (done.chunk_result, done.result):
+        for p in (result.planning.plans if result is not None else []):
+            if p.requested:
+                sites.setdefault(p.key, []).extend(Site(o.match.rule.name, o.match.root.name) for o in p.occurrences)
+    keys, withheld = list(sites), []
+    best, best_selection = done, None
+
+    def build(selection: dict[Site, int | None]) -> Rewrite:
+        builder.start()
+        trial = _attempt(builder, rules, None, tiers, forward_outputs, strict, excluded, selection)
+        trial.simulated_peak, trial.original_peak = builder.simulate(trial.result.graph), original
+        return trial
+
+    def without(*left_out: str) -> dict[Site, int | None]:
+        return {site: None for k in keys if k not in left_out for site in sites[k]}
+
+    while best.simulated_peak > original and keys:
+        trials = [(build(without(key)), key) for key in keys]
+        trial, key = min(trials, key=lambda t: t[0].simulated_peak)
+        if trial.simulated_peak >= best.simulated_peak:
+            break
+        keys.remove(key)
+        withheld.append(key)
+        best, best_selection = trial, without()
+        log.info("remat: %s left out: the simulated peak %.1f MiB without it", key, trial.simulated_peak / 2**20)
+    if best.simulated_peak > original:
+        withheld += keys
+        keys, best_selection = [], {}
+    best = build(best_selection)      # the builder holds the last trial built: build the chosen one again
+    best.withheld = withheld
     return best
 
 

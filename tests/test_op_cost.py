@@ -63,11 +63,11 @@ def test_gemm_with_a_transposed_and_a_bias():
     assert node_cost(transposed, STD).flops == 2 * M * N * K + M * N
 
 
-def test_addmm_reads_the_bias_first():
-    """The fx importer makes aten::addmm(bias, a, b) a Gemm with ATen's operand order: its own
-    formula (the backend spelling's) wins over Gemm's."""
-    n = node("Gemm", [(N,), (M, K), (K, N)], (M, N), native="aten::addmm")
-    assert formula_for(n, STD) is STD.costs["aten::addmm"]
+def test_addmm_is_costed_as_the_gemm_it_is_imported_as():
+    """The fx importer makes aten::addmm(bias, a, b) Gemm(a, b, bias), ONNX's operand order, so
+    Gemm's formula is its (no ATen-order formula that would read the bias as A)."""
+    n = node("Gemm", [(M, K), (K, N), (N,)], (M, N), native="aten::addmm")
+    assert formula_for(n, STD) is STD.costs["Gemm"]
     assert node_cost(n, STD).flops == 2 * M * N * K + M * N
 
 

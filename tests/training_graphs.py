@@ -135,20 +135,25 @@ def build_ort_loss_head(tokens: int, d: int, vocab: int, ignored: int = 0, reduc
 
     The projection is spelled `matmul`: MatMul of w[d, vocab]; com.microsoft::FusedMatMul of a
     Linear's weight w[vocab, d] with transB=1 (ORT's MatmulTransposeFusion), its weight gradient
-    a FusedMatMul with transA=1; or Gemm with transB=1 and a bias (ORT's MatMulAddFusion).
+    a FusedMatMul with transA=1; Gemm with transB=1 and a bias (ORT's MatMulAddFusion); or
+    `MatMul+Add`, MatMul of w[d, vocab] then Add of a bias (a biased Linear as exporters that do
+    not write Gemm spell it).
 
     x[tokens, d], scale[d], bias[d], w, (b[vocab],) labels[tokens] -> loss and the gradients.
     The backward is written in standard ops (this onnxruntime has no SoftmaxCrossEntropyLossGrad)."""
-    if matmul not in ORT_MATMULS:
-        raise ValueError(f"matmul {matmul!r}: one of {ORT_MATMULS}")
+    if matmul not in (*ORT_MATMULS, "MatMul+Add"):
+        raise ValueError(f"matmul {matmul!r}: one of {ORT_MATMULS} or MatMul+Add")
+    biased = matmul in ("Gemm", "MatMul+Add")
     b = _Builder()
     rng = np.random.default_rng(seed)
     y, mean, inv = b.name("ln"), b.name("ln_mean"), b.name("ln_inv")
     b.nodes.append(helper.make_node("LayerNormalization", ["x", "scale", "bias"], [y, mean, inv], name="n_ln",
                                     axis=-1, epsilon=1e-5))
-    transposed = matmul != "MatMul"          # w[vocab, d], as a Linear keeps it
+    transposed = matmul not in ("MatMul", "MatMul+Add")     # w[vocab, d], as a Linear keeps it
     if matmul == "MatMul":
         logits = b.op("MatMul", [y, "w"], "logits")
+    elif matmul == "MatMul+Add":
+        logits = b.op("Add", [b.op("MatMul", [y, "w"], "product"), "b"], "logits")
     elif matmul == "FusedMatMul":
         logits = b.op("FusedMatMul", [y, "w"], "logits", domain="com.microsoft", transB=1)
     else:
@@ -171,9 +176,11 @@ def build_ort_loss_head(tokens: int, d: int, vocab: int, ignored: int = 0, reduc
         total = b.op("ReduceSum", [kept_f], "total", keepdims=0)
         grad = b.op("Div", [grad, total], "g_logits")
     grads = {}
-    if matmul == "MatMul":
+    if matmul in ("MatMul", "MatMul+Add"):
         grads["w"] = b.op("MatMul", [b.op("Transpose", [y], "yt", perm=[1, 0]), grad], "dw")
         dy = b.op("MatMul", [grad, b.op("Transpose", ["w"], "wt", perm=[1, 0])], "dy")
+        if biased:
+            grads["b"] = b.op("ReduceSum", [grad, b.const([0], np.int64)], "db", keepdims=0)
     elif matmul == "FusedMatMul":
         grads["w"] = b.op("FusedMatMul", [grad, y], "dw", domain="com.microsoft", transA=1)
         dy = b.op("MatMul", [grad, "w"], "dy")
@@ -193,7 +200,7 @@ def build_ort_loss_head(tokens: int, d: int, vocab: int, ignored: int = 0, reduc
     inner = b.op("Sub", [b.op("Sub", [dxhat, mean1], "s1"), b.op("Mul", [xhat, mean2], "xm2")], "s2")
     grads["x"] = b.op("Mul", [inner, inv], "dx")
     shapes = {"x": [tokens, d], "scale": [d], "bias": [d], "w": [vocab, d] if transposed else [d, vocab]}
-    if matmul == "Gemm":
+    if biased:
         shapes["b"] = [vocab]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()]
     inputs.append(helper.make_tensor_value_info("labels", TensorProto.INT64, [tokens]))
@@ -209,6 +216,6 @@ def build_ort_loss_head(tokens: int, d: int, vocab: int, ignored: int = 0, reduc
              "scale": (1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
              "bias": (0.1 * rng.standard_normal(d)).astype(np.float32),
              "w": (rng.standard_normal(shapes["w"]) / np.sqrt(d)).astype(np.float32), "labels": labels}
-    if matmul == "Gemm":
+    if biased:
         feeds["b"] = (0.1 * rng.standard_normal(vocab)).astype(np.float32)
     return model, feeds

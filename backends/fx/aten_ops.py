@@ -86,6 +86,11 @@ def _as_list(x) -> list:
 # Positional arguments that are operands, even when the model passes a Python number (`x / 8.0`,
 # `torch.where(m, x, 0.0)`): the importer makes such a number a constant value at that position,
 # so ATen's scalar overloads read like ONNX's tensor operands.
+# ATen operand orders that differ from their ONNX twin's, as the ONNX op's inputs by ATen position:
+# addmm(c, a, b) is Gemm(a, b, c), so a rule's `Gemm(h, w, rest...)` binds the same values on
+# both backends (the fx backend copies its own nodes, never these inputs, when it rewrites).
+OPERAND_ORDER = {"addmm": (1, 2, 0)}
+
 SCALAR_OPERANDS = {
     "add": (0, 1), "sub": (0, 1), "rsub": (0, 1), "mul": (0, 1), "div": (0, 1), "pow": (0, 1),
     "where": (1, 2), "eq": (0, 1), "ne": (0, 1), "lt": (0, 1), "le": (0, 1), "gt": (0, 1), "ge": (0, 1),

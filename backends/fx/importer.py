@@ -20,7 +20,7 @@ from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.shapes import parse_dim
 
-from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, SCALAR_OPERANDS, canonical_attributes
+from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, OPERAND_ORDER, SCALAR_OPERANDS, canonical_attributes
 
 # An fx node's meta key for the plan whose rewrite made or tagged it (backends/fx/compile.py): the
 # IR node's `plan`.
@@ -302,6 +302,9 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
             attrs["to"] = _DTYPES[arg]
         else:
             attrs[key] = arg
+    order = OPERAND_ORDER.get(base)
+    if order is not None and len(tensor_args) == len(order):
+        tensor_args = [tensor_args[i] for i in order]
     first = next((a.meta.get("val") for a in _flat_nodes(fx_node.args)), None)
     attrs = canonical_attributes(base, attrs, first.dim() if isinstance(first, torch.Tensor) else None)
     if isinstance(example, (list, tuple)):

@@ -291,9 +291,11 @@ def _merge_common(graph: Graph) -> None:
 
 
 def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> int:
-    """ORT's MatMulAddFusion: `Add(MatMul(a, w), bias)`, w 2-D, bias [N] or [1, N], the product read
-    by the Add alone, becomes a Gemm (a of rank > 2 flattened to 2-D before it and the result
-    reshaped after it: views). Three new nodes, new indices; the product is no longer a tensor."""
+    """ORT's MatMulAddFusion: `Add(MatMul(a, w), bias)`, w 2-D, the product read by the Add alone,
+    becomes a Gemm (a of rank > 2 flattened to 2-D before it and the result reshaped after it:
+    views). Three new nodes, new indices; the product is no longer a tensor. The bias is what
+    Gemm's C broadcasts from (matmul_add_fusion.cc): [N]; with a 2-D, also [1, N], [M, 1] and
+    [M, N] (a tied weight's gradient, the product plus the embedding's gradient, is fused so)."""
     outputs = {id(v) for v in graph.outputs}
     for node in ort_order(graph, index):
         if node.op != "Add" or node not in graph.nodes:
@@ -308,8 +310,8 @@ def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> in
             if a is None or w is None or not _static(a) or not _static(w) or len(w.shape) != 2 \
                     or len(a.shape) < 2 or not _static(node.outputs[0]):
                 continue
-            n = w.shape[1]
-            if tuple(bias.shape) not in ((n,), (1, n)):
+            m, n = a.shape[0], w.shape[1]
+            if tuple(bias.shape) != (n,) and (len(a.shape) != 2 or tuple(bias.shape) not in ((1, n), (m, 1), (m, n))):
                 continue
             rows = 1
             for d in a.shape[:-1]:

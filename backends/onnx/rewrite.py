@@ -54,7 +54,9 @@ def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | 
     """`engine.apply` for ONNX graphs, with the chunk plans built. An internal error refuses the
     plan it happened in and the others are applied (the report lists it); strict mode
     (`REMAT_STRICT=1`) raises it. `graph` itself is never changed. With a `budget` (bytes with a
-    unit, or a fraction of the estimated peak) the planner chooses the plans for `device`."""
+    unit, or a fraction of the estimated peak) the planner chooses the plans for `device`. With
+    neither a config nor a budget, a plan with which ONNX Runtime's simulated peak rises above the
+    original graph's is left out (the report says which)."""
     strict = resolve_strict(strict)
     return rewrite(OnnxBuilder(graph, unrolled), rules, config, tiers, forward_outputs, strict, on_failure,
-                   budget, device)
+                   budget, device, never_above_original=True)
