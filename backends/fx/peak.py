@@ -346,6 +346,10 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
                     *(access[a] for a in n.all_input_nodes if a is not source))
         else:
             example = n.meta.get("val")
+            if example is None and any(u.target is operator.getitem for u in n.users):
+                # a tuple without its own meta (a fresh multi-output node): its items' vals
+                items = {u.args[1]: u.meta.get("val") for u in n.users if u.target is operator.getitem}
+                example = [items.get(k) for k in range(max(items) + 1)]
             many = isinstance(example, (list, tuple))
             outs = [_buffer(f"{n.name}_{k}" if many else n.name, e) if isinstance(e, torch.Tensor) else None
                     for k, e in enumerate(example if many else [example])]
