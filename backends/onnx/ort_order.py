@@ -611,12 +611,14 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
     inference cannot follow everything remat writes (a Loop body's `Slice` at a computed
     offset, `Reshape(x, Shape(x))`): an IR graph's own shapes are kept by name, and what is
     still unknown is inferred here for the ops these graphs use (`fill_shapes`)."""
-    from .exporter import export_model
+    from .exporter import check_exported, export_model
     from .importer import import_model
 
     if isinstance(model_or_graph, Graph):
         source = model_or_graph
-        graph = import_model(export_model(source))
+        written = export_model(source)
+        check_exported(written)         # remat wrote it: invalid is remat's bug, not the input's
+        graph = import_model(written)
         known = {v.name: v for v in _all_values(source)}
         for v in _all_values(graph):
             if _evaluable(v, graph.dim_examples):
