@@ -23,15 +23,18 @@ SIMULATED = "simulated: the partitioner's forward and backward, with Inductor's 
 MEASURED = "measured: torch profiler's tensor bytes, after each allocation or free"
 
 
-def on_joint_graphs(model: torch.nn.Module, example_inputs: Sequence, fn) -> list:
+def on_joint_graphs(model: torch.nn.Module, example_inputs: Sequence, fn, fullgraph: bool = False) -> list:
     """`fn(joint)` on each joint graph torch.compile gives its backend for one training step of
-    `model` (one per graph break), before partitioning and inside the compile (Inductor's passes
-    that the peak model runs need its fake tensors); the step itself runs eagerly. Returns what
-    `fn` returned, graph by graph."""
+    `model` (one per graph break; `fullgraph`: one, or torch's error), before partitioning and
+    inside the compile (Inductor's passes that the peak model runs need its fake tensors); the
+    step itself runs eagerly, the output's gradient ones. Returns what `fn` returned, graph by
+    graph. A RematError `fn` raises comes out as itself, not wrapped in torch's."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
+
+    from engine.errors import RematError
 
     captured: list = []
 
@@ -46,11 +49,17 @@ def on_joint_graphs(model: torch.nn.Module, example_inputs: Sequence, fn) -> lis
                            decompositions=select_decomp_table())
     torch._dynamo.reset()
     try:
-        torch.compile(model, backend=backend)(*example_inputs).backward()
+        out = torch.compile(model, backend=backend, fullgraph=fullgraph)(*example_inputs)
+        out.backward(torch.ones_like(out))
+    except Exception as err:
+        inner = getattr(err, "inner_exception", None) or err.__cause__
+        if isinstance(inner, RematError):      # a clear error of remat's, raised inside the compile
+            raise inner from None
+        raise
     finally:
         torch._dynamo.reset()
-    for p in model.parameters():
-        p.grad = None
+        for p in model.parameters():
+            p.grad = None
     return captured
 
 

@@ -97,37 +97,9 @@ def measure_gpt(cfg, source: ModelSource) -> list[Layer]:
 def joint_figures(module, example_inputs: tuple, source: ModelSource) -> list[Layer]:
     """Each layer's figures (held bytes, options, times; no weights), read from the joint graph
     torch.compile makes of one forward and backward of `module` (its output's gradient given)."""
-    import torch
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
+    from backends.fx.timeline import on_joint_graphs
 
-    found: list[list[Layer]] = []
-
-    def partition(joint, joint_inputs, **kwargs):
-        if not found:
-            found.append(read_joint(joint, source))
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-    def boxed(gm, _):
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition,
-                           decompositions=select_decomp_table())
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(module, backend=backend, fullgraph=True)(*example_inputs)
-        out.backward(torch.ones_like(out))
-    except Exception as err:
-        inner = getattr(err, "inner_exception", None) or err.__cause__
-        if isinstance(inner, RematError):      # a clear error of remat's, raised inside the compile
-            raise inner from None
-        raise
-    finally:
-        torch._dynamo.reset()
-        for p in module.parameters():
-            p.grad = None
+    found = on_joint_graphs(module, example_inputs, lambda joint: read_joint(joint, source), fullgraph=True)
     if not found:
         raise ConfigError("the model's training step gave no joint graph to measure")
     return found[0]
