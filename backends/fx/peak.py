@@ -105,9 +105,11 @@ def _scatter_upon_constant(node: fx.Node) -> bool:
     pattern `scatter_upon_const_tensor` makes it a pointwise `where(iota == index, value, fill)`,
     so it is computed inside its readers (the cross-entropy backward's one-hot). The peak model
     does not run Inductor's pattern passes (`_remove_noop_ops`), so it models this one."""
+    if node.target is not _ATEN.scatter.value:
+        return False
     import torch._inductor.config as inductor_config
 
-    if node.target is not _ATEN.scatter.value or not inductor_config.optimize_scatter_upon_const_tensor:
+    if not inductor_config.optimize_scatter_upon_const_tensor:
         return False
     full, dim, selector = node.args[0], node.args[1], node.args[2]
     if not (isinstance(full, fx.Node) and full.target is _ATEN.full.default and len(full.users) == 1

@@ -68,6 +68,7 @@ import onnx
 
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
+from engine.errors import RematError
 from engine.ir import Graph, Node, Value
 
 ORT_ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
@@ -611,14 +612,15 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
     inference cannot follow everything remat writes (a Loop body's `Slice` at a computed
     offset, `Reshape(x, Shape(x))`): an IR graph's own shapes are kept by name, and what is
     still unknown is inferred here for the ops these graphs use (`fill_shapes`)."""
-    from .exporter import check_exported, export_model
+    from .exporter import ExportBug, export_model
     from .importer import import_model
 
     if isinstance(model_or_graph, Graph):
         source = model_or_graph
-        written = export_model(source)
-        check_exported(written)         # remat wrote it: invalid is remat's bug, not the input's
-        graph = import_model(written)
+        try:
+            graph = import_model(export_model(source))
+        except RematError as exc:       # remat wrote it: what the import's check refuses is remat's bug
+            raise ExportBug(f"remat bug: the rewritten model is not valid ONNX: {exc}; nothing was written") from None
         known = {v.name: v for v in _all_values(source)}
         for v in _all_values(graph):
             if _evaluable(v, graph.dim_examples):
