@@ -267,9 +267,8 @@ def cmd_export_gpt(args) -> int:
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     seq=args.seq, batch=args.batch, dropout=args.dropout)
     with progress("exporting the GPT-like training step and checking its gradients"):
-        path, error = export_gpt(cfg, args.output, dynamic=args.dynamic, exporter=args.exporter)
-    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
-          f"(largest relative error {error:.2e})")
+        path, check = export_gpt(cfg, args.output, dynamic=args.dynamic, exporter=args.exporter)
+    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; {check.describe()}")
     return 0
 
 
@@ -289,9 +288,8 @@ def cmd_export(args) -> int:
     except ImportError as exc:
         raise RematError(f"export needs torch and onnxscript ({exc})") from None
     with progress(f"exporting {args.entry}'s training step and checking its gradients"):
-        path, error = export_entry(args.entry, args.output, names, dynamic or None, args.exporter)
-    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; gradients match torch "
-          f"(largest relative error {error:.2e})")
+        path, check = export_entry(args.entry, args.output, names, dynamic or None, args.exporter)
+    print(f"wrote {path} and {path.with_suffix('.inputs.npz')}; {check.describe()}")
     return 0
 
 

@@ -164,7 +164,7 @@ def part_c(args) -> None:
     graph = import_model(path)
     rules = load_rules()
     print(f"\nONNX Runtime, GPT-like training graph (vocab {cfg.vocab}, batch {cfg.batch}); exported "
-          f"gradients vs torch {grad_error:.1e}; CPU, one thread, peak above the resting RSS")
+          f"gradients vs torch {grad_error.error:.1e}; CPU, one thread, peak above the resting RSS")
     print(f"{'graph':34}{'peak MiB':>10}{'/original':>11}{'step s':>9}{'/original':>11}{'max rel err':>13}")
     base = measure(path, feeds, repeats=args.repeats)
     print(f"{'original':34}{base.peak_mib:>10.1f}{1:>11.3f}{base.seconds:>9.3f}{1:>11.3f}{0:>13.1e}")

@@ -56,7 +56,7 @@ def main() -> None:
     reference = run(path, feeds)
     graph = import_model(path)
     rules = load_rules()
-    print(f"GPT-like step: {cfg}; exported gradients vs torch: {grad_error:.1e} relative")
+    print(f"GPT-like step: {cfg}; exported gradients vs torch: {grad_error.error:.1e} relative")
 
     rows = []
 

@@ -15,10 +15,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import RematError
 
 from .exporters import one_line
+
+if TYPE_CHECKING:
+    from .torch_export import Verification
 
 
 @dataclass
@@ -100,9 +104,9 @@ def parse_dynamic(items: list[str] | None) -> dict[int, str]:
 
 
 def export_entry(entry: str, output: str | Path, input_names: list[str] | None = None,
-                 dynamic_dims: dict[int, str] | None = None, exporter: str = "make-fx") -> tuple[Path, float]:
+                 dynamic_dims: dict[int, str] | None = None, exporter: str = "make-fx") -> tuple[Path, Verification]:
     """Export the step of `package.module:factory` to `output` (and its inputs beside it, as
-    OUTPUT.inputs.npz), its gradients checked against torch: the path and the largest relative error."""
+    OUTPUT.inputs.npz), its gradients checked against torch: the path and the check (torch_export.Verification)."""
     from .torch_export import export_checked
 
     step = load_factory(entry)
