@@ -174,3 +174,38 @@ def test_a_difference_in_float64_too_is_an_error():
     exported.float64 = None                                  # no float64 to be had: the float32 verdict
     with pytest.raises(RematError, match=r"relative error 0\.0099 > 0\.0001$"):
         verify(exported)
+
+
+class _SdpaAttention(torch.nn.Module):
+    """Causal attention through F.scaled_dot_product_attention (Hugging Face's default), with
+    dropout on the probabilities and grouped key/value heads."""
+
+    def __init__(self, d=16, heads=4, kv_heads=2, dropout_p=0.0):
+        super().__init__()
+        self.heads, self.kv_heads, self.dropout_p = heads, kv_heads, dropout_p
+        self.q = torch.nn.Linear(d, d)
+        self.kv = torch.nn.Linear(d, 2 * d * kv_heads // heads)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True,
+                                                             enable_gqa=True)
+        return y.square().mean()
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_scaled_dot_product_attention_exports(exporter, dropout_p):
+    """The CPU's fused attention has a backward torch.onnx cannot write and a dropout it cannot
+    either: the exporters write attention out in matmuls and a softmax, its dropout as a Dropout
+    whose mask the check replays."""
+    from backends.onnx.torch_export import export_training_step, verify
+
+    torch.manual_seed(0)
+    exported = export_training_step(_SdpaAttention(dropout_p=dropout_p), (torch.randn(2, 8, 16),), ["x"],
+                                    exporter=exporter)
+    ops = [n.op_type for n in exported.model.graph.node]
+    assert "Softmax" in ops and ops.count("Dropout") == (dropout_p > 0)
+    assert verify(exported).error < 1e-4

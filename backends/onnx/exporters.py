@@ -9,6 +9,13 @@ EXPORTERS = {
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception from the user's code or from torch's exporters as one short line."""
-    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    """An exception from the user's code or from torch's exporters as one short line: the
+    innermost of a chain (`raise ... from`), which says what failed. torch.onnx's ConversionError
+    says only which of its steps did, and where to read more; its cause names the op."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = f"{type(root).__name__}: {' '.join(str(root).split())}"
+    if root is not exc:
+        text = f"{type(exc).__name__} from {text}"
     return text if len(text) <= limit else text[:limit] + " ..."

@@ -19,8 +19,10 @@ outputs are the loss then one gradient per parameter (`grad.<param>`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 from collections.abc import Callable
 import warnings
 from unittest import mock
@@ -115,6 +117,46 @@ def _native_dropout(input, p=0.5, training=True, inplace=False):
     return torch.ops.aten.native_dropout(input, p, True)[0]
 
 
+def _attention_in_matmuls(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False):
+    """F.scaled_dot_product_attention as torch documents its reference: matmuls, a softmax and
+    F.dropout. On the CPU the fused op runs `_scaled_dot_product_flash_attention_for_cpu`, whose
+    backward torch.onnx cannot write (no ONNX function, no decomposition), and its math backend
+    draws dropout with an in-place `bernoulli_` into an `empty_permuted` buffer, which torch.onnx
+    cannot write either: Hugging Face models with their default attention (`sdpa`) did not export.
+    Written out, attention is what eager attention is (the attention chunk rule matches it; ONNX
+    Runtime has no fused attention for training), and its dropout is F.dropout, which the
+    exporters write as ONNX's Dropout and the masked reference (`_MaskedDropout`) replays."""
+    import math
+
+    functional = torch.nn.functional
+    if enable_gqa and key.size(-3) != query.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * scale
+    if is_causal:
+        keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    probs = functional.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = functional.dropout(probs, dropout_p, training=True)
+    return probs @ value
+
+
+@contextlib.contextmanager
+def _traceable():
+    """What both exporters trace under: warnings held back, attention written out
+    (`_attention_in_matmuls`)."""
+    with warnings.catch_warnings(), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _attention_in_matmuls):
+        warnings.simplefilter("ignore")
+        yield
+
+
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                         symbolic: bool = False) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
@@ -122,8 +164,7 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     names = [n for n, _ in module.named_parameters()]
     params = [p.detach().clone() for _, p in module.named_parameters()]
     step = _step_fn(module, names, len(inputs))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
             graph = make_fx(step, decomposition_table=core_aten_decompositions(),
                             tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
@@ -208,11 +249,23 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) 
         tensors.update(zip(buffer_names, args[n_inputs + n_params:]))
         return (functional_call(module, tensors, tuple(args[:n_inputs])),)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _traceable():
         joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params),
                                                   *buffers], trace_joint=True)
     return TracedStep(_JointStep(joint, n_inputs, buffers), _step_fn(module, names, n_inputs), names, params)
+
+
+@contextlib.contextmanager
+def _quiet_registry():
+    """torch.onnx's op registry logs a warning per torchvision op when torchvision is not
+    installed (four lines on every export, nothing to do with the user's model): held back."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _clean(name: str) -> str:
@@ -255,7 +308,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
                                  if axis < t.dim()})
             specs.append(spec or None)
         dynamic_shapes = tuple(specs) + tuple(None for _ in params)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_registry():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
@@ -272,7 +325,10 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     output_names = ["loss", *(f"grad.{_clean(n)}" for n in names)]
 
     def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
-        with mock.patch.object(torch.nn.functional, "dropout", _MaskedDropout(list(masks or []))):
+        # With dropout, attention's too is drawn through F.dropout, in the exported graph's order.
+        sdpa = _attention_in_matmuls if masks is not None else torch.nn.functional.scaled_dot_product_attention
+        with mock.patch.object(torch.nn.functional, "dropout", _MaskedDropout(list(masks or []))), \
+                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
             out = step(*inputs, *[p.clone() for p in params])
         return {n: t.detach().numpy() for n, t in zip(output_names, out)}
 
