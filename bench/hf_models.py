@@ -21,10 +21,12 @@ other rows still run):
   gradients of the rewritten graph against torch's (with dropout: torch drawing the masks ONNX
   Runtime drew, torch_export.verify's method).
 
-Columns: model, path, loss err, grad err (max |got - want| / max |want|), f64 err (an ONNX row
-over the tolerance in float32: the step exported from a float64 copy of the model, rewritten the
-same way, against torch in float64; torch_export.verify says why: T5's ReLU has an input within
-float32 rounding of zero at this size), peak above rest in MiB, that peak against the
+Columns: model, path, loss err, grad err (max |got - want| / max |want|), f64 err (a row over the
+tolerance in float32, judged again in float64: ONNX, the step exported from a float64 copy of the
+model and rewritten the same way, against torch in float64; torch, eager and the configuration on
+a float64 copy of the model; torch_export.verify says why: T5's ReLU has an input within float32
+rounding of zero at this size, which ONNX Runtime's MatMul, and Inductor's with sdpa attention,
+round to the other side of zero from eager), peak above rest in MiB, that peak against the
 anchor (compile's for torch; the original graph's for ONNX), the plans applied (regions per
 rule). The last line: the largest error (a row judged in float64 counts with its float64 error)
 and the rows that failed.
@@ -49,7 +51,7 @@ TORCH_CONFIGS = ("eager", "compile", "remat")
 EXPORTERS = ("make-fx", "aot-joint")
 SEED = 0            # the weights and the inputs
 STEP_SEED = 1       # the dropout masks of the measured step
-TOLERANCE = 1e-4    # relative, on the loss and each gradient
+TOLERANCE = 1e-4    # relative, on the loss and each gradient (--tolerance)
 
 # The bench's sizes (about the GPT-like model of docs/design.md, at sequence 256) and attention
 # (`eager`: Hugging Face's matmul + softmax + dropout, which both exporters write; `sdpa`:
@@ -158,9 +160,10 @@ def _fired(results, chunk_results) -> dict[str, int]:
     return count_firings(SimpleNamespace(results=results, chunk_results=chunk_results))[0]
 
 
-def torch_child(model: str, config: str, args) -> list[dict]:
+def torch_child(model: str, config: str, args, float64: bool = False) -> list[dict]:
     """One training step of `model` under `config` (eager, compile, remat) after two warm-ups: its
-    peak above rest (VmHWM), and its loss and gradients saved for the comparison with eager."""
+    peak above rest (VmHWM), and its loss and gradients saved for the comparison with eager.
+    `float64`: the model in float64 (a row over the tolerance in float32, judged again)."""
     import numpy as np
     import torch
     import torch._inductor.config as inductor_config
@@ -171,6 +174,8 @@ def torch_child(model: str, config: str, args) -> list[dict]:
     torch.set_num_threads(args.threads)
     inductor_config.fallback_random = True          # dropout draws eager's random numbers
     module, inputs = FACTORIES[model]()
+    if float64:
+        module = module.double()
     backend = None
     if config == "eager":
         fn = module
@@ -198,7 +203,7 @@ def torch_child(model: str, config: str, args) -> list[dict]:
     loss = step()
     peak = peak_bytes(False)
     outputs = {"loss": loss.numpy(), **{f"grad.{n}": p.grad.numpy() for n, p in module.named_parameters()}}
-    np.savez(args.out / f"{model}-{config}.npz", **outputs)
+    np.savez(_saved(args.out, model, config, float64), **outputs)
     fired = None if backend is None else _fired(backend.remat_pass.results, backend.remat_pass.chunk_results)
     return [{"model": model, "path": f"torch/{config}", "peak": (peak - rest) / 2**20, "fired": fired}]
 
@@ -252,11 +257,16 @@ def onnx_child(model: str, exporter: str, args) -> list[dict]:
     return rows
 
 
+def _saved(out: Path, model: str, config: str, float64: bool) -> Path:
+    return out / f"{model}-{config}{'-f64' if float64 else ''}.npz"
+
+
 def child(args) -> None:
     model, path = args.child.split(":")
+    path, _, precision = path.partition("@")
     try:
         if path in TORCH_CONFIGS:
-            rows = torch_child(model, path, args)
+            rows = torch_child(model, path, args, float64=precision == "f64")
         else:
             rows = onnx_child(model, path, args)
     except Exception as exc:  # noqa: BLE001 - the row's failure, in one line
@@ -280,11 +290,25 @@ def run_one(spec: str, args, env: dict) -> list[dict] | str:
     return f"exit {proc.returncode}: {lines[-1][:400] if lines else 'no output'}"
 
 
+def _torch_errors(out: Path, model: str, config: str, float64: bool) -> tuple[float, float] | tuple[()]:
+    """`config`'s loss and gradient errors against eager's (its saved outputs), or () where either
+    run left none."""
+    import numpy as np
+
+    from backends.onnx.torch_export import relative_errors
+
+    got, want = _saved(out, model, config, float64), _saved(out, model, "eager", float64)
+    if not (got.exists() and want.exists()):
+        return ()
+    return _errors(relative_errors(dict(np.load(got)), dict(np.load(want))))
+
+
 def fired_text(fired: dict | None) -> str:
     return "-" if fired is None else (" ".join(f"{k}={n}" for k, n in fired.items()) or "none")
 
 
 def main() -> None:
+    global TOLERANCE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--paths", nargs="+", choices=("torch", "onnx"), default=["torch", "onnx"])
@@ -294,10 +318,13 @@ def main() -> None:
         ap.add_argument(f"--{flag}", type=int, default=SIZE[flag])
     ap.add_argument("--attention", choices=("eager", "sdpa"), default=SIZE["attention"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE,
+                    help="relative error over which a row is judged again in float64")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's process")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    TOLERANCE = args.tolerance
     os.environ.setdefault("REMAT_STRICT", "1")   # an internal error is raised, never hidden by a fallback
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -317,8 +344,6 @@ def main() -> None:
             "  plans applied")
     print(head)
     print("-" * len(head), flush=True)
-    from backends.onnx.torch_export import relative_errors
-
     failed, worst, rounding = [], 0.0, []
     for model in args.models:
         specs = ([f"{model}:{c}" for c in TORCH_CONFIGS] if "torch" in args.paths else []) + \
@@ -332,13 +357,15 @@ def main() -> None:
                 print(f"{model:7}{('onnx/' if path in EXPORTERS else 'torch/') + path:26}FAILED: {rows}", flush=True)
                 continue
             for row in rows:
-                if row["path"].startswith("torch/"):
-                    eager = args.out / f"{model}-eager.npz"
-                    if eager.exists():
-                        import numpy as np
-
-                        got, want = np.load(args.out / f"{model}-{path}.npz"), np.load(eager)
-                        row["loss_err"], row["grad_err"] = _errors(relative_errors(dict(got), dict(want)))
+                errors = _torch_errors(args.out, model, path, False) if row["path"].startswith("torch/") else ()
+                if errors and path != "eager":
+                    row["loss_err"], row["grad_err"] = errors
+                    if max(errors) > TOLERANCE:
+                        # Judged again in float64, eager and this configuration, as the ONNX rows are.
+                        for config in ("eager", path):
+                            if not _saved(args.out, model, config, True).exists():
+                                run_one(f"{model}:{config}@f64", args, env)
+                        row["f64_err"] = max(_torch_errors(args.out, model, path, True), default=None)
                 anchor_key = "torch/compile" if row["path"].startswith("torch/") else row["path"].rsplit("/", 1)[0]
                 if row["path"] in ("torch/compile",) or row["path"].endswith("/original"):
                     anchors[anchor_key] = row["peak"]
