@@ -209,3 +209,28 @@ def test_scaled_dot_product_attention_exports(exporter, dropout_p):
     ops = [n.op_type for n in exported.model.graph.node]
     assert "Softmax" in ops and ops.count("Dropout") == (dropout_p > 0)
     assert verify(exported).error < 1e-4
+
+
+class _AlibiBias(torch.nn.Module):
+    """BLOOM's ALiBi bias: per-head slopes [heads, 1, 1] times positions [seq]."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 8, 8))
+
+    def forward(self, x):
+        slopes = torch.pow(torch.tensor(0.25), torch.arange(1, 5, dtype=torch.int32))
+        bias = slopes[:, None, None] * torch.arange(8, dtype=torch.float32)
+        return (self.w * x + bias).sum()
+
+
+def test_a_valid_broadcast_onnx_data_propagation_refuses_still_imports():
+    """ONNX's data propagation takes the known [4, 1, 1] slopes and [8] positions for 1-D shapes
+    and, strict, fails their Mul ("Invalid rank for Mul broadcasting: (4) vs (8)"): the importer
+    checks such a graph again without it and imports it, its shapes inferred."""
+    from backends.onnx.torch_export import export_training_step
+
+    exported = export_training_step(_AlibiBias(), (torch.randn(4, 8, 8),), ["x"])
+    graph = import_model(exported.model)
+    muls = [n for n in graph.nodes if n.op == "Mul" and list(n.outputs[0].shape) == [4, 1, 8]]
+    assert muls, "the slopes times positions Mul, its shape inferred"

@@ -48,6 +48,26 @@ def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
                          f"{one_line(str(exc))})") from None
 
 
+def _inferred_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    """Strict shape inference, with ONNX's data propagation (values of shape computations, for
+    the Reshapes of dynamic exports) where it works.
+
+    Data propagation treats every small tensor whose values it knows as a 1-D shape, and in
+    strict mode fails a valid graph where two such tensors of other ranks broadcast: BLOOM's
+    ALiBi bias, slopes[:, None, None] * arange(seq), [heads, 1, 1] times [seq], is refused as
+    "Invalid rank for Mul broadcasting: (4) vs (64)". So a failure with it is checked again
+    without it: a model that passes there is valid (the same strict checks of every op), and
+    is imported with the shapes inference gives without propagated values."""
+    try:
+        return infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception:  # noqa: BLE001 - judged below, without data propagation
+        pass
+    try:
+        return infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
+    except Exception as exc:
+        raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
+
+
 def import_model(source: str | Path | onnx.ModelProto,
                  dim_examples: dict[str, int] | None = None) -> Graph:
     """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`.
@@ -59,10 +79,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     label = model_label(source, model)
     check_structure(model.graph, label)
     check_onnx(model if isinstance(source, onnx.ModelProto) else Path(source), label)
-    try:
-        inferred = infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as exc:
-        raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
+    inferred = _inferred_shapes(model, label)
     opsets = {op.domain or "": op.version for op in model.opset_import}
     graph = _import_graph(inferred.graph, opsets, outer={})
     graph.verify()
