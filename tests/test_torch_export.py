@@ -212,25 +212,29 @@ def test_scaled_dot_product_attention_exports(exporter, dropout_p):
 
 
 class _AlibiBias(torch.nn.Module):
-    """BLOOM's ALiBi bias: per-head slopes [heads, 1, 1] times positions [seq]."""
+    """BLOOM's ALiBi bias (per-head slopes [heads, 1, 1] times positions [seq]) under a
+    cross-entropy loss, whose backward sizes a ConstantOfShape from `Shape` (data propagation's)."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(4, 8, 8))
 
-    def forward(self, x):
+    def forward(self, x, labels):
         slopes = torch.pow(torch.tensor(0.25), torch.arange(1, 5, dtype=torch.int32))
         bias = slopes[:, None, None] * torch.arange(8, dtype=torch.float32)
-        return (self.w * x + bias).sum()
+        return torch.nn.functional.cross_entropy((self.w * x + bias).reshape(-1, 8), labels.reshape(-1))
 
 
-def test_a_valid_broadcast_onnx_data_propagation_refuses_still_imports():
+def test_a_broadcast_onnx_data_propagation_refuses_imports_with_its_sizes():
     """ONNX's data propagation takes the known [4, 1, 1] slopes and [8] positions for 1-D shapes
     and, strict, fails their Mul ("Invalid rank for Mul broadcasting: (4) vs (8)"): the importer
-    checks such a graph again without it and imports it, its shapes inferred."""
+    imports the graph, and the sizes data propagation gives (the loss gradient's ConstantOfShape:
+    without them, no chunk rule fires on BLOOM's head) are known."""
     from backends.onnx.torch_export import export_training_step
 
-    exported = export_training_step(_AlibiBias(), (torch.randn(4, 8, 8),), ["x"])
+    exported = export_training_step(_AlibiBias(), (torch.randn(4, 8, 8), torch.randint(0, 8, (4, 8))),
+                                    ["x", "labels"])
     graph = import_model(exported.model)
-    muls = [n for n in graph.nodes if n.op == "Mul" and list(n.outputs[0].shape) == [4, 1, 8]]
-    assert muls, "the slopes times positions Mul, its shape inferred"
+    assert any(n.op == "Mul" and n.outputs[0].shape == (4, 1, 8) for n in graph.nodes)
+    filled = [n.outputs[0].shape for n in graph.nodes if n.op == "ConstantOfShape"]
+    assert filled and all(shape is not None and all(isinstance(d, int) for d in shape) for shape in filled), filled
