@@ -209,3 +209,32 @@ def test_scaled_dot_product_attention_exports(exporter, dropout_p):
     ops = [n.op_type for n in exported.model.graph.node]
     assert "Softmax" in ops and ops.count("Dropout") == (dropout_p > 0)
     assert verify(exported).error < 1e-4
+
+
+class _AlibiBias(torch.nn.Module):
+    """BLOOM's ALiBi bias (per-head slopes [heads, 1, 1] times positions [seq]) under a
+    cross-entropy loss, whose backward sizes a ConstantOfShape from `Shape` (data propagation's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 8, 8))
+
+    def forward(self, x, labels):
+        slopes = torch.pow(torch.tensor(0.25), torch.arange(1, 5, dtype=torch.int32))
+        bias = slopes[:, None, None] * torch.arange(8, dtype=torch.float32)
+        return torch.nn.functional.cross_entropy((self.w * x + bias).reshape(-1, 8), labels.reshape(-1))
+
+
+def test_a_broadcast_onnx_data_propagation_refuses_imports_with_its_sizes():
+    """ONNX's data propagation takes the known [4, 1, 1] slopes and [8] positions for 1-D shapes
+    and, strict, fails their Mul ("Invalid rank for Mul broadcasting: (4) vs (8)"): the importer
+    imports the graph, and the sizes data propagation gives (the loss gradient's ConstantOfShape:
+    without them, no chunk rule fires on BLOOM's head) are known."""
+    from backends.onnx.torch_export import export_training_step
+
+    exported = export_training_step(_AlibiBias(), (torch.randn(4, 8, 8), torch.randint(0, 8, (4, 8))),
+                                    ["x", "labels"])
+    graph = import_model(exported.model)
+    assert any(n.op == "Mul" and n.outputs[0].shape == (4, 1, 8) for n in graph.nodes)
+    filled = [n.outputs[0].shape for n in graph.nodes if n.op == "ConstantOfShape"]
+    assert filled and all(shape is not None and all(isinstance(d, int) for d in shape) for shape in filled), filled

@@ -48,6 +48,74 @@ def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
                          f"{one_line(str(exc))})") from None
 
 
+def _inferred_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    """Strict shape inference with ONNX's data propagation (the values of shape computations:
+    a ConstantOfShape's or Reshape's target computed from `Shape` ops, whose sizes the rules read).
+
+    Data propagation takes any small tensor whose values it knows for a 1-D shape and, strict,
+    fails a valid graph where two such tensors of other ranks broadcast: BLOOM's ALiBi bias,
+    slopes[:, None, None] * arange(seq), [heads, 1, 1] times [seq], is refused as "Invalid rank
+    for Mul broadcasting: (4) vs (64)". Such a graph is checked without data propagation (the
+    same strict checks of every op: a graph wrong there is a GraphError), then propagated again
+    with the refused nodes' inputs passed through an op that carries shapes but no values."""
+    try:
+        return infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - judged below, without data propagation
+        refused = exc
+    try:
+        plain = infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
+    except Exception as exc:
+        raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
+    return _propagated_around(model, refused) or plain
+
+
+_NO_VALUES = ".remat_no_data_prop"
+
+
+def _propagated_around(model: onnx.ModelProto, refused: Exception) -> onnx.ModelProto | None:
+    """Data propagation on a copy of `model` whose refused nodes read their inputs through
+    Expand(x, Shape(x)) (x itself; ONNX propagates no values through Expand), the copy's
+    inferred graph with those Expands taken out again; None where a refusal names no node."""
+    barred: set[str] = set()
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    while True:
+        found = _INFERENCE_NODE.search(str(refused))
+        name = found.group(2) if found else ""
+        if not name or name in barred:
+            return None
+        barred.add(name)
+        nodes = []
+        for node in work.graph.node:
+            if node.name == name:
+                for k, value in enumerate(node.input):
+                    if value and not value.endswith(_NO_VALUES):
+                        nodes.append(helper.make_node("Shape", [value], [value + _NO_VALUES + ".shape"]))
+                        nodes.append(helper.make_node("Expand", [value, value + _NO_VALUES + ".shape"],
+                                                      [value + _NO_VALUES]))
+                        node.input[k] = value + _NO_VALUES
+            nodes.append(node)
+        del work.graph.node[:]
+        work.graph.node.extend(nodes)
+        try:
+            inferred = infer_shapes(work, check_type=True, strict_mode=True, data_prop=True)
+            break
+        except Exception as exc:  # noqa: BLE001 - another node refused: bar it too
+            refused = exc
+    kept = [n for n in inferred.graph.node if not any(o.endswith((_NO_VALUES, _NO_VALUES + ".shape"))
+                                                      for o in n.output)]
+    for node in kept:
+        for k, value in enumerate(node.input):
+            if value.endswith(_NO_VALUES):
+                node.input[k] = value[:-len(_NO_VALUES)]
+    del inferred.graph.node[:]
+    inferred.graph.node.extend(kept)
+    infos = [v for v in inferred.graph.value_info if _NO_VALUES not in v.name]
+    del inferred.graph.value_info[:]
+    inferred.graph.value_info.extend(infos)
+    return inferred
+
+
 def import_model(source: str | Path | onnx.ModelProto,
                  dim_examples: dict[str, int] | None = None) -> Graph:
     """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`.
@@ -59,10 +127,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     label = model_label(source, model)
     check_structure(model.graph, label)
     check_onnx(model if isinstance(source, onnx.ModelProto) else Path(source), label)
-    try:
-        inferred = infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as exc:
-        raise GraphError(f"{label}: {describe_onnx_error(exc)} (ONNX shape inference)") from None
+    inferred = _inferred_shapes(model, label)
     opsets = {op.domain or "": op.version for op in model.opset_import}
     graph = _import_graph(inferred.graph, opsets, outer={})
     graph.verify()
