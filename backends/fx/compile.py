@@ -282,7 +282,10 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are). `ratio`
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
-    Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor."""
+    Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor.
+    `report` receives each rewritten graph's plan table; a graph Inductor serves from its cache
+    (the same graph, rules, config, tiers and budget compiled before: RematPass.uuid) runs no pass
+    and so reports nothing, though its compiled code is the rewritten graph's."""
     inductor_options = _mode_options(mode)
     if ratio is not None:
         if budget is not None:
