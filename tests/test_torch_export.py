@@ -122,7 +122,9 @@ def _linear_relu_step():
     from backends.onnx.torch_export import export_training_step
 
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    # (a LayerNorm: ONNX Runtime has no double kernel for it, so the float64 export writes it out)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 1))
 
     class Loss(torch.nn.Module):
         def __init__(self):
@@ -151,7 +153,7 @@ def test_a_float32_only_difference_is_judged_in_float64():
     exported.reference = _off_by(exported.reference, 1.001)
     check = verify(exported)
     assert check.error == pytest.approx(1e-3, rel=1e-2) and check.output.startswith("grad.")
-    assert check.float64_error is not None and check.float64_error < 1e-12   # ReLU's kinks far from rounding
+    assert check.float64_error is not None and check.float64_error < 1e-9   # float32 rounding would be 1e-7
     assert "in float64" in check.describe() and check.output in check.describe()
 
 

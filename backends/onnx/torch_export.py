@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -158,7 +158,7 @@ def _traceable():
 
 
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                        symbolic: bool = False) -> TracedStep:
+                        symbolic: bool = False, written_out: tuple = ()) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
     decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md)."""
     names = [n for n, _ in module.named_parameters()]
@@ -166,7 +166,8 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     step = _step_fn(module, names, len(inputs))
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
-            graph = make_fx(step, decomposition_table=core_aten_decompositions(),
+            graph = make_fx(step, decomposition_table={**core_aten_decompositions(),
+                                                       **get_decompositions(list(written_out))},
                             tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
     return TracedStep(graph, step, names, params)
 
@@ -208,6 +209,12 @@ def _copy(self, src, non_blocking: bool = False):
     return op.Expand(op.CastLike(src, self), op.Shape(self))
 
 
+# Ops torch.onnx writes as ONNX ops that ONNX Runtime runs in float and not in double on the CPU
+# (LayerNormalization: "Could not find an implementation"): the float64 export (`verify`'s second
+# opinion) traces them through their decompositions, reductions and pointwise ops it has double
+# kernels for, forward and backward.
+_NO_DOUBLE_KERNEL = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_layer_norm_backward.default)
+
 # torch.onnx's translations the exporters replace: only what it gets wrong.
 _TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward,
                  torch.ops.aten.copy.default: _copy}
@@ -232,7 +239,8 @@ class _JointStep(torch.nn.Module):
         return (loss, *grads[self.n_inputs:len(args)])
 
 
-def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> TracedStep:
+def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                     written_out: tuple = ()) -> TracedStep:
     """AOTAutograd's joint graph of `module(*inputs) -> loss` (forward and backward), as a step."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
 
@@ -251,7 +259,8 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) 
 
     with _traceable():
         joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params),
-                                                  *buffers], trace_joint=True)
+                                                  *buffers], trace_joint=True,
+                                        decompositions=get_decompositions(list(written_out)) or None)
     return TracedStep(_JointStep(joint, n_inputs, buffers), _step_fn(module, names, n_inputs), names, params)
 
 
@@ -276,13 +285,14 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
                          input_names: list[str] | None = None,
                          dynamic_dims: dict[int, str] | None = None,
                          max_dims: dict[str, int] | None = None,
-                         exporter: str = "make-fx") -> ExportedStep:
+                         exporter: str = "make-fx", written_out: tuple = ()) -> ExportedStep:
     """Trace forward + backward of `module(*inputs)` (which returns the loss) into ONNX.
 
     `dynamic_dims` names input dims that stay symbolic (`{0: "batch", 1: "seq"}`, applied
     to every input of at least that rank); the example inputs' sizes become the model's
     example dim values, so savings print both as formulas and as bytes. `exporter` is a key
-    of EXPORTERS.
+    of EXPORTERS. `written_out`: ATen ops traced through their decompositions rather than
+    left to torch.onnx (the float64 check's `_NO_DOUBLE_KERNEL`).
     """
     if exporter not in EXPORTERS:
         raise RematError(f"unknown exporter {exporter!r}; the exporters are {', '.join(EXPORTERS)}")
@@ -290,9 +300,9 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         raise RematError("the aot-joint exporter traces with example sizes only; export dynamic dims "
                          "with the make-fx exporter")
     if exporter == "aot-joint":
-        traced = trace_joint_step(module, inputs)
+        traced = trace_joint_step(module, inputs, written_out)
     else:
-        traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims))
+        traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims), written_out=written_out)
     names, params, step = traced.names, traced.params, traced.step
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
@@ -335,7 +345,8 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     def in_float64() -> ExportedStep:
         module64 = copy.deepcopy(module).double()
         inputs64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-        return export_training_step(module64, inputs64, input_names, dynamic_dims, max_dims, exporter)
+        return export_training_step(module64, inputs64, input_names, dynamic_dims, max_dims, exporter,
+                                    written_out=_NO_DOUBLE_KERNEL)
 
     dropout = any(n.op_type == "Dropout" for n in model.graph.node)
     float32 = all(p.dtype != torch.float64 for p in params)
