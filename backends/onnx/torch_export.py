@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -47,10 +48,11 @@ class ExportedStep:
     model: onnx.ModelProto
     input_names: list[str]
     feeds: dict[str, np.ndarray]
-    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds` (dropout: see `verify`)
+    reference: dict[str, np.ndarray]     # torch's loss and gradients for `feeds` (empty with dropout: `with_masks`)
     # torch's loss and gradients with each dropout drawing the given masks, in call order
     with_masks: Callable[[list[np.ndarray]], dict[str, np.ndarray]] | None = None
-    # The same step exported again from a float64 copy of the module (`verify`'s second opinion)
+    # The same step exported again from a float64 copy of the module (`verify`'s second opinion),
+    # exported on the first call and kept
     float64: Callable[[], "ExportedStep"] | None = None
 
 
@@ -148,12 +150,24 @@ def _attention_in_matmuls(query, key, value, attn_mask=None, dropout_p=0.0, is_c
 
 
 @contextlib.contextmanager
+def _quiet():
+    """Warnings held back, and torch.onnx's op registry's: it logs one per torchvision op when
+    torchvision is not installed (four lines on every export, nothing to do with the user's model)."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def _traceable():
-    """What both exporters trace under: warnings held back, attention written out
-    (`_attention_in_matmuls`)."""
-    with warnings.catch_warnings(), \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _attention_in_matmuls):
-        warnings.simplefilter("ignore")
+    """What both exporters trace under: quiet, attention written out (`_attention_in_matmuls`)."""
+    with _quiet(), mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _attention_in_matmuls):
         yield
 
 
@@ -264,19 +278,6 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     return TracedStep(_JointStep(joint, n_inputs, buffers), _step_fn(module, names, n_inputs), names, params)
 
 
-@contextlib.contextmanager
-def _quiet_registry():
-    """torch.onnx's op registry logs a warning per torchvision op when torchvision is not
-    installed (four lines on every export, nothing to do with the user's model): held back."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _clean(name: str) -> str:
     return name.replace(".", "_")
 
@@ -318,8 +319,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
                                  if axis < t.dim()})
             specs.append(spec or None)
         dynamic_shapes = tuple(specs) + tuple(None for _ in params)
-    with warnings.catch_warnings(), _quiet_registry():
-        warnings.simplefilter("ignore")
+    with _quiet():
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
@@ -342,6 +342,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
             out = step(*inputs, *[p.clone() for p in params])
         return {n: t.detach().numpy() for n, t in zip(output_names, out)}
 
+    @functools.cache
     def in_float64() -> ExportedStep:
         module64 = copy.deepcopy(module).double()
         inputs64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
