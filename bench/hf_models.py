@@ -1,4 +1,4 @@
-"""Hugging Face models (transformers: GPT-2, Llama, BERT with dropout, T5) through both of remat's paths.
+"""Hugging Face models (transformers: GPT-2, Llama, BERT with dropout, T5, Gemma 2) through both of remat's paths.
 
 Each model is built from its config object with random weights (no download; HF_HUB_OFFLINE=1)
 and wrapped so that `module(*inputs)` is its training loss (causal LM, masked LM, seq2seq). The
@@ -31,7 +31,7 @@ anchor (compile's for torch; the original graph's for ONNX), the plans applied (
 rule). The last line: the largest error (a row judged in float64 counts with its float64 error)
 and the rows that failed.
 
-    python bench/hf_models.py [--models gpt2 llama bert t5] [--paths torch onnx] [--timeout 900]
+    python bench/hf_models.py [--models gpt2 llama bert t5 gemma2] [--paths torch onnx] [--timeout 900]
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 
 MARK = "HF-ROW "
-MODELS = ("gpt2", "llama", "bert", "t5")
+MODELS = ("gpt2", "llama", "bert", "t5", "gemma2")
 TORCH_CONFIGS = ("eager", "compile", "remat")
 EXPORTERS = ("make-fx", "aot-joint")
 SEED = 0            # the weights and the inputs
@@ -150,7 +150,24 @@ def t5(vocab=SIZE["vocab"], d=SIZE["d"], layers=SIZE["layers"], heads=SIZE["head
     return _wrap(T5ForConditionalGeneration(cfg), ("input_ids", "labels")), (ids, labels)
 
 
-FACTORIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5}
+def gemma2(vocab=SIZE["vocab"], d=SIZE["d"], layers=SIZE["layers"], heads=SIZE["heads"], batch=SIZE["batch"],
+           seq=SIZE["seq"], attention=SIZE["attention"]):
+    """Gemma 2 (Gemma2ForCausalLM: soft caps on the attention scores, tanh(x / 50) * 50, and on the
+    final logits, tanh(x / 30) * 30, between the head and the loss; sliding-window layers; norms
+    before and after each block), causal LM loss."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = Gemma2Config(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=d // heads,
+                       max_position_embeddings=seq, sliding_window=seq // 2, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=None, attn_implementation=attention)
+    ids = _tokens((batch, seq), vocab)
+    return _wrap(Gemma2ForCausalLM(cfg), ("input_ids", "labels")), (ids, ids.clone())
+
+
+FACTORIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "gemma2": gemma2}
 
 
 def _fired(results, chunk_results) -> dict[str, int]:
@@ -340,7 +357,7 @@ def main() -> None:
                                                       tempfile.mkdtemp(prefix="remat-inductor-")))
     print(f"Hugging Face models ({', '.join(f'{k} {v}' for k, v in options.items())}); "
           f"{args.threads} threads; peak: MiB above rest (VmHWM)", flush=True)
-    head = (f"{'model':7}{'path':26}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'peak MiB':>10}{'vs anchor':>11}"
+    head = (f"{'model':8}{'path':26}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'peak MiB':>10}{'vs anchor':>11}"
             "  plans applied")
     print(head)
     print("-" * len(head), flush=True)
@@ -354,7 +371,7 @@ def main() -> None:
             path = spec.split(":")[1]
             if isinstance(rows, str):
                 failed.append(f"{model} {path}")
-                print(f"{model:7}{('onnx/' if path in EXPORTERS else 'torch/') + path:26}FAILED: {rows}", flush=True)
+                print(f"{model:8}{('onnx/' if path in EXPORTERS else 'torch/') + path:26}FAILED: {rows}", flush=True)
                 continue
             for row in rows:
                 errors = _torch_errors(args.out, model, path, False) if row["path"].startswith("torch/") else ()
@@ -381,7 +398,7 @@ def main() -> None:
                     worst = max([worst, *(e for e in errs if e is not None)])
                 worst = max([worst, *f64_errs])
                 err_text = "".join(f"{e:>10.1e}" if e is not None else f"{'-':>10}" for e in [*errs, f64])
-                print(f"{model:7}{row['path']:26}{err_text}{row['peak']:>10.1f}{ratio:>11}  {fired_text(row['fired'])}",
+                print(f"{model:8}{row['path']:26}{err_text}{row['peak']:>10.1f}{ratio:>11}  {fired_text(row['fired'])}",
                       flush=True)
     print(f"largest loss or gradient error {worst:.1e}"
           + (f" (in float64 for {', '.join(rounding)}: over {TOLERANCE:g} in float32 only)" if rounding else "")

@@ -168,6 +168,65 @@ def test_a_region_the_fx_builder_cannot_build_is_skipped_with_a_warning(fresh_co
         assert relative_error(got, want) <= 1e-4
 
 
+
+class SoftcapHead(nn.Module):
+    """Gemma 2's last step: logits in (batch, seq, vocab) capped by tanh(x / c) * c (with `bias`,
+    then a fixed bias over the vocabulary, as BART's `final_logits_bias` buffer; with
+    `per_position`, scaled by a factor per position),
+    flattened to (tokens, vocab) for the loss. The cap runs between the head's reshape to three
+    dims and the loss's back to two, where the tokens dim the chunk slices does not exist."""
+
+    def __init__(self, d: int, vocab: int, seq: int, bias: bool = False, per_position: bool = False):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("bias", torch.randn(vocab) * 0.1 if bias else None)
+        self.scale = nn.Parameter(torch.rand(seq, 1) + 0.5) if per_position else None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = torch.tanh(self.head(x) / 30.0) * 30.0
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.scale is not None:
+            logits = logits * self.scale
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _softcap_inputs(batch: int, seq: int, d: int, vocab: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, seq, d, generator=g) * 4, torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_softcap_between_the_reshapes_runs_in_the_slices(fresh_compiles, tmp_path, bias):
+    """The head's (tokens, vocab) -> (batch, seq, vocab) reshape does not carry the tokens dim;
+    the cap (and a bias over the vocabulary) computes the same numbers on (tokens, vocab), so the
+    region skips the reshape and runs them there, forward and backward."""
+    torch.manual_seed(0)
+    model = SoftcapHead(16, 300, 24, bias=bias)
+    inputs = _softcap_inputs(2, 24, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert sum(region.chunks) == 48 and len(region.chunks) == 4
+    assert region.elided and region.reshaped
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def test_a_per_position_factor_between_the_reshapes_is_refused():
+    """A (seq, 1) factor broadcasts over (batch, seq, vocab) by position; on (tokens, vocab) it
+    would not: the region is refused with the op named, not built wrong."""
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    model = SoftcapHead(16, 300, 24, per_position=True)
+    planning = plan(_joint(model, _softcap_inputs(2, 24, 16, 300)), rules)
+    assert not planning.plans
+    [refusal] = planning.refusals
+    assert "would broadcast differently in that shape" in str(refusal.reason), refusal.reason
+    assert "Mul " in str(refusal.reason), refusal.reason
+
 ATTENTION_RULE = """use std.ops
 
 rule chunk_scores {{

@@ -89,7 +89,18 @@ def test_every_rule_compiled_matches_eager(no_compile_caches):
     remat = fx_backend.backend(tiers=["expensive"], config=every)
     torch.manual_seed(0)
     loss, grads, _ = training_step(model, torch.compile(model, backend=remat))
-    assert _close(loss, eager_loss) and all(_close(g, e) for g, e in zip(grads, eager_grads))
+    errors = [relative_error(got, want) for got, want in zip([loss, *grads], [eager_loss, *eager_grads])]
+    if max(errors) > 1e-4:
+        # torch 2.11's Inductor rounds the fp16 round trip (`y.half().float()`) otherwise than eager
+        # even under emulate_precision_casts: plain torch.compile is 4.5e-4 off eager here (torch
+        # 2.13: 2.3e-5). Then remat is judged against plain Inductor, as the zoo judges its
+        # low-precision variants: within 2x of its error on every tensor.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        base_loss, base_grads, _ = training_step(model, torch.compile(model))
+        baseline = [relative_error(got, want) for got, want in zip([base_loss, *base_grads],
+                                                                    [eager_loss, *eager_grads])]
+        assert all(e <= max(1e-4, 2 * b) for e, b in zip(errors, baseline)), list(zip(errors, baseline))
     applied = {r for result in remat.remat_pass.results for p in result.plans if p.applied for r in p.rules}
     assert {"recompute_activation", "recompute_softmax", "recompute_norm", "recompute_dropout"} <= applied
 

@@ -15,7 +15,8 @@ from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
-from test_chunk import ATTENTION_RULE, CHUNK_RULE, Attention, Head, _inputs  # noqa: E402
+from test_chunk import (ATTENTION_RULE, CHUNK_RULE, Attention, Head, SoftcapHead, _inputs,  # noqa: E402
+                        _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
@@ -56,6 +57,19 @@ def test_chunked_attention_in_onnx_runtime_runs_two_loops_and_matches_torch():
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_softcap_between_the_reshapes_runs_in_the_loop(bias):
+    """Gemma 2's logit cap between the head's reshape and the loss's, as on torch
+    (test_chunk.py): the Loop body computes it on (tokens, vocab) slices."""
+    torch.manual_seed(0)
+    model = SoftcapHead(16, 300, 24, bias=bias)
+    exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
+    assert rewrite.chunked == 1 and not rewrite.failures
+    assert _largest_outside_loops(rewrite.graph) < 48 * 300
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
 
 def test_unrolled_slices_match_torch_too():
     """The builder's other mode, kept to measure the choice of Loops (bench/chunk.py)."""

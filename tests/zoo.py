@@ -863,9 +863,10 @@ FIXED: list[Variant] = [
       loss="ce_ignore", norm="rms_module", tiers=("expensive",),
       expect=("chunk_linear_cross_entropy", "recompute_elementwise", "recompute_fused_attention")),
     # bfloat16 scores are 8 MiB: below chunk_attention_scores' 16 MiB. Soft-capped logits
-    # (Gemma 2) go through a reshape that does not carry the sliced dim: not chunked.
+    # (Gemma 2): the cap runs on (batch, seq, vocab), between the head's reshape and the loss's,
+    # which the slices of tokens skip (the cap runs on (tokens, vocab) slices).
     V("gpt_bf16_fp32_softmax_inplace_softcap", precision="bf16", inplace=True, loss="softcap",
-      expect=("recompute_cast",)),
+      expect=("recompute_cast", "chunk_linear_cross_entropy")),
     V("gpt_autocast_blocks_sdpa_is_causal_graph_break_nll", precision="autocast", scale="sdpa",
       mask="is_causal", graph_break=True, loss="nll", expect=("chunk_linear_cross_entropy",)),
     V("gpt_autocast_all_nn_mha", precision="autocast_all", scale="nn_mha",
@@ -893,10 +894,11 @@ FIXED: list[Variant] = [
 
 
 # The losses the loss chunk takes whole; the others are refused, not crashed on (ce_hand: its
-# backward is a scatter_add, not declared linear_in_gradient; ce_shift and softcap: the 3-d
-# logits' slice or pointwise ops come before the reshape to (tokens, vocab), which does not
-# carry the sliced dim).
-CHUNKED_LOSSES = ("ce_mean", "ce_sum", "ce_smooth", "ce_ignore", "nll", "ce_count", "z_loss")
+# backward is a scatter_add, not declared linear_in_gradient; ce_shift: the 3-d logits are
+# sliced along the sequence before the reshape to (tokens, vocab), so the tokens of the loss are
+# not the tokens of the head). softcap's elementwise ops between the two reshapes run in the
+# slices' shape (engine/strategies/chunk/grow.py, include_reshaped).
+CHUNKED_LOSSES = ("ce_mean", "ce_sum", "ce_smooth", "ce_ignore", "nll", "ce_count", "z_loss", "softcap")
 
 
 def implied_rules(variant: Variant) -> tuple[str, ...]:

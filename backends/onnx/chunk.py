@@ -250,7 +250,8 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
             inputs[position] = _resized_shape(g, node, node.inputs[position], m.dim, run, size)
-        outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(o, region.meta_of(o).dim, run.size_dim))
+        outs = [Value(names(f"{o.name}_slice"), o.dtype,
+                      _sliced_shape(region.shaped_like(o), region.meta_of(o).dim, run.size_dim))
                 for o in node.outputs]
         attrs = dict(node.attrs)
         written = outs

@@ -25,6 +25,12 @@ slices, then, once that gradient exists, the backward slices, which recompute th
 values they read (the scores and their softmax), as flash attention does. Neither phase
 keeps a large value whole, and nothing large is saved between them.
 
+A reshape that has no place for the slice ((tokens, vocab) -> (batch, seq, vocab) when the
+tokens are sliced) is skipped when what reads it reshapes back or is elementwise: the slices keep
+the shape from before it, and elementwise ops on the middle shape (Gemma 2's logit cap, a cast
+to float32 before the loss) run on the slices in that shape, as long as their other operands
+broadcast alike in both (scalars; a bias over the trailing dims the shapes share).
+
 Values the region reads but does not slice (weights, the global count of a mean over
 non-ignored labels) are computed outside it, whole, so a mean is divided by the global
 count, never by a chunk's. A region through an op with no declared kind, a dim an op
@@ -63,6 +69,26 @@ def _zero(v: Value) -> bool:
         return float(fill) == 0
     except (TypeError, ValueError):
         return False
+
+
+def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None) -> bool:
+    """Whether `operand` broadcasts against `value` as against the same numbers in `like`'s
+    shape, unsliced: its dims other than 1 lie in the trailing dims the two shapes share (a
+    scalar; a bias over the vocabulary of (batch, seq, vocab) and (tokens, vocab)) and off the
+    chunk dim `dim` of `like`."""
+    if operand.shape is None or value.shape is None or like.shape is None or len(operand.shape) > len(like.shape):
+        return False
+    shared = 0
+    for a, b in zip(reversed(value.shape), reversed(like.shape)):
+        if not same_size(a, b):
+            break
+        shared += 1
+    for j, d in enumerate(reversed(operand.shape), start=1):
+        if same_size(d, 1):
+            continue
+        if j > shared or (dim is not None and len(like.shape) - j == dim):
+            return False
+    return True
 
 
 def kind_of(rules, node: Node) -> str | None:
@@ -124,6 +150,9 @@ class _Grower:
         self.meta: dict[int, ChunkMeta] = {}
         self.region: dict[int, Node] = {}
         self.elided: set[int] = set()          # reshapes skipped inside the slices
+        # value id -> the value whose shape it has inside the slices: the output of a skipped
+        # reshape, and of the elementwise ops after it, keep the shape from before the reshape
+        self.reshaped: dict[int, Value] = {}
         self.inputs: dict[int, Value] = {}
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
@@ -164,10 +193,12 @@ class _Grower:
         """Add `node`: derive its output meta from its sliced inputs (or take `required`),
         then slice, pull in, or pass whole each input it reads from outside."""
         kind = self.kind(node)
-        inputs = [self.source(v) if kind == "reshape" else v for v in node.present_inputs()]
-        if any(id(v.producer) in self.elided for v in inputs if v.producer is not None):
-            raise Refused(f"{node.op} {node.name} reads a reshape remat cannot slice")
-        dm = dim_map(node, kind, inputs)
+        inputs = list(node.present_inputs())
+        if kind != "reshape" and any(id(v) in self.reshaped for v in inputs):
+            self.include_reshaped(node, kind, inputs)
+            return
+        # a reshape reads a skipped reshape's value in the shape it has in the slices
+        dm = dim_map(node, kind, [self.reshaped.get(id(v), v) for v in inputs])
         if len(node.outputs) != 1 + len(dm.extra_outputs) or any(o is None for o in node.outputs):
             raise Refused(f"{node.op} {node.name} has {len(node.outputs)} outputs; its kind `{kind}` carries "
                           f"dims to {1 + len(dm.extra_outputs)}")
@@ -175,12 +206,15 @@ class _Grower:
             m = self.meta.get(id(inputs[0]))
             if (m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
                     and node.outputs[0].users
-                    and all(self.kind_or_none(u) == "reshape" for u in node.outputs[0].users)):
+                    and all(self.kind_or_none(u) in ("reshape", "pointwise") for u in node.outputs[0].users)):
                 # (tokens, vocab) -> (batch, seq, vocab) -> (tokens, vocab): the slice has no
-                # place in the middle shape, but the round trip keeps it; skip the middle.
+                # place in the middle shape, but the round trip keeps it; skip the middle. Scalar
+                # elementwise ops on the middle shape (Gemma 2's logit softcap, tanh(x / c) * c,
+                # and its gradient) run on the slice in the shape from before the reshape.
                 self.region[id(node)] = node
                 self.elided.add(id(node))
                 self.meta[id(node.outputs[0])] = m
+                self.reshaped[id(node.outputs[0])] = self.reshaped.get(id(inputs[0]), inputs[0])
                 return
         out_dim, need_sum, shape_only = None, False, False
         type_only = TYPE_ONLY.get(kind, ())
@@ -251,11 +285,37 @@ class _Grower:
                               f"its output {k}")
             self.meta[id(o)] = ChunkMeta(dim, False, scaled)
 
-    def source(self, v: Value) -> Value:
-        """`v`, or what it reshapes when its reshape is skipped inside the slices."""
-        while v.producer is not None and id(v.producer) in self.elided:
-            v = v.producer.inputs[0]
-        return v
+    def include_reshaped(self, node: Node, kind: str, inputs: list[Value]) -> None:
+        """Add `node`, which reads values computed in the shape from before a skipped reshape:
+        an elementwise op whose other operands are scalars computes the same numbers in that
+        shape, so it runs there too; any other op would see the wrong dims."""
+        shaped = [v for v in inputs if id(v) in self.reshaped]
+        like = self.reshaped[id(shaped[0])]
+        where = (f"{node.op} {node.name} reads %{shaped[0].name} in the shape of %{like.name}, before "
+                 f"a reshape that does not carry the chunk dim")
+        if kind != "pointwise":
+            raise Refused(f"{where}; only elementwise ops with scalar operands run in that shape")
+        if len(node.outputs) != 1 or node.outputs[0] is None or node.outputs[0].shape != shaped[0].shape:
+            raise Refused(f"{where}; its output does not have that value's shape")
+        dims = {self.meta[id(v)].dim for v in shaped}
+        for v in shaped:
+            if self.reshaped[id(v)].shape != like.shape:
+                raise Refused(f"{where} and %{v.name} in the shape of %{self.reshaped[id(v)].name}")
+        if len(dims) != 1:
+            raise Refused(f"{where}; its operands are sliced along different dims")
+        for v in inputs:
+            if id(v) in self.reshaped:
+                continue
+            if not _broadcasts_alike(v, shaped[0], like, next(iter(dims))):
+                raise Refused(f"{where}; its operand %{v.name} (shape {v.shape}) would broadcast differently "
+                              f"in that shape")
+            if not self.in_region(v):
+                self.meta[id(v)] = ChunkMeta()
+                self.inputs[id(v)] = v
+        self.region[id(node)] = node
+        out = node.outputs[0]
+        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs))
+        self.reshaped[id(out)] = like
 
     def should_pull(self, v: Value) -> bool:
         """Compute `v` inside the region when it is large, or made from a large value."""
@@ -336,7 +396,7 @@ class _Grower:
             raise Refused("nothing outside the region reads its values (dead code): there is nothing to "
                           "run slice by slice")
         for v in (o for ph in phases for o in ph.outputs):
-            if id(v.producer) in self.elided:
+            if id(v) in self.reshaped:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is read outside the region "
                               f"in a shape the slices do not have")
             m = self.meta[id(v)]
@@ -359,7 +419,7 @@ class _Grower:
                            if self.rules.chunkable.get(op) == "axis"), "")
         return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self._at_examples(self.size), count),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
-                           self.means, extent, count_formula)
+                           self.means, extent, count_formula, dict(self.reshaped))
 
     def _at_examples(self, size: Any) -> int:
         value = evaluate(size, self.examples)

@@ -61,6 +61,9 @@ class ChunkRegion:
     # then the slices at the example sizes). None when the slices are static.
     extent: Any = None
     count: Any = None
+    # value id -> the value whose shape it has inside the slices: after a skipped reshape (elided),
+    # the region computes in the shape from before it (grow.py, _Grower.include_reshaped)
+    reshaped: dict[int, Value] = field(default_factory=dict)
 
     @property
     def slice_size(self) -> Any:
@@ -113,5 +116,10 @@ class ChunkRegion:
 
     def meta_of(self, value: Value) -> ChunkMeta:
         return self.meta.get(id(value), ChunkMeta())
+
+    def shaped_like(self, value: Value) -> Value:
+        """The value whose shape `value` has inside the slices: itself, or what a skipped
+        reshape before it reshaped (its chunk meta's dim is a dim of that shape)."""
+        return self.reshaped.get(id(value), value)
 
 
