@@ -227,6 +227,59 @@ def test_a_per_position_factor_between_the_reshapes_is_refused():
     assert "would broadcast differently in that shape" in str(refusal.reason), refusal.reason
     assert "Mul " in str(refusal.reason), refusal.reason
 
+
+# Elementwise steps on (batch, seq, vocab) logits between the head's reshape and the loss's: the
+# ones the slices can run in their (tokens, vocab) shape, and one they cannot (per position).
+_BETWEEN = {
+    "cap": lambda m, z: torch.tanh(z / 30.0) * 30.0,
+    "scale": lambda m, z: z * 0.7,
+    "bias": lambda m, z: z + m.bias,
+    "gate": lambda m, z: z * torch.sigmoid(z),
+    "clamp": lambda m, z: torch.where(z > 2.0, 2.0, z),
+    "widen": lambda m, z: z.double().float(),
+    "per_position": lambda m, z: z * m.per_position,
+}
+
+
+class ChainHead(nn.Module):
+    def __init__(self, steps: tuple[str, ...], d: int = 16, vocab: int = 300, seq: int = 24):
+        super().__init__()
+        self.steps = steps
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("bias", torch.randn(vocab) * 0.1)
+        self.per_position = nn.Parameter(torch.rand(seq, 1) + 0.5) if "per_position" in steps else None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        z = self.head(x)
+        for step in self.steps:
+            z = _BETWEEN[step](self, z)
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1))
+
+
+@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.sampled_from(sorted(_BETWEEN)), min_size=1, max_size=4).map(tuple))
+def test_elementwise_chains_between_the_reshapes_chunk_or_are_refused_and_match_eager(
+        tmp_path_factory, fresh_compiles, steps):
+    """Any chain of elementwise steps between the two reshapes: the loss is chunked unless a
+    step broadcasts by position, and the numbers are eager's either way."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ChainHead(steps)
+    inputs = _softcap_inputs(2, 24, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("r"), 3))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    [result] = remat.remat_pass.chunk_results
+    if "per_position" in steps:
+        assert remat.remat_pass.chunked == 0
+        assert "would broadcast differently" in result.report() or not result.plans
+    else:
+        assert remat.remat_pass.chunked == 1, result.report()
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 ATTENTION_RULE = """use std.ops
 
 rule chunk_scores {{

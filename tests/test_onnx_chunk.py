@@ -15,8 +15,8 @@ from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
-from test_chunk import (ATTENTION_RULE, CHUNK_RULE, Attention, Head, SoftcapHead, _inputs,  # noqa: E402
-                        _softcap_inputs)
+from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, Attention, ChainHead, Head,  # noqa: E402
+                        SoftcapHead, _inputs, _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
@@ -68,6 +68,17 @@ def test_a_softcap_between_the_reshapes_runs_in_the_loop(bias):
     exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
     assert rewrite.chunked == 1 and not rewrite.failures
     assert _largest_outside_loops(rewrite.graph) < 48 * 300
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+@settings(max_examples=4, deadline=None)
+@given(steps=st.lists(st.sampled_from(sorted(_BETWEEN)), min_size=1, max_size=4).map(tuple))
+def test_elementwise_chains_between_the_reshapes_chunk_or_are_refused_in_onnx_runtime_too(steps):
+    torch.manual_seed(0)
+    model = ChainHead(steps)
+    exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
+    assert rewrite.chunked == (0 if "per_position" in steps else 1) and not rewrite.failures
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 
