@@ -114,6 +114,29 @@ def test_registered_backend_and_cache_key(fresh_compiles):
     assert len(keys) == 3 and RematPass(rules).uuid() == RematPass(load_rules()).uuid()
 
 
+
+def test_a_graph_served_from_inductors_cache_is_reported_too(tmp_path, monkeypatch):
+    """With Inductor's caches on (a user's default), the second compile of the same model is served
+    from the FX graph cache, which Inductor looks up after the joint graph's passes: remat's pass
+    ran, and its plan table is reported, both times."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2))
+    counts = []
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            reports: list[str] = []
+            torch.compile(model, backend="remat", options={"report": reports.append})(*model.example_inputs())
+            counts.append(len(reports))
+    torch._dynamo.reset()
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1, dict(counters["inductor"])
+    assert counts[0] >= 1 and counts == [counts[0]] * 2, counts
+
 def _decomposed(with_outside_read_inside: bool):
     """gelu decomposed into exp and mul (same original_aten and seq_nr); optionally the mul also
     reads a value produced between the two members."""

@@ -283,9 +283,10 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
     Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor.
-    `report` receives each rewritten graph's plan table; a graph Inductor serves from its cache
-    (the same graph, rules, config, tiers and budget compiled before: RematPass.uuid) runs no pass
-    and so reports nothing, though its compiled code is the rewritten graph's."""
+    `report` receives each rewritten graph's plan table, on every compile: Inductor's FX graph
+    cache (keyed with RematPass.uuid: the rules, config, tiers and budget) is looked up after the
+    joint graph's passes, so a graph served from it was rewritten and reported all the same
+    (tests/test_fx_backend.py)."""
     inductor_options = _mode_options(mode)
     if ratio is not None:
         if budget is not None:
