@@ -115,27 +115,26 @@ def test_registered_backend_and_cache_key(fresh_compiles):
 
 
 
-def test_a_graph_served_from_inductors_cache_is_reported_too(tmp_path, monkeypatch):
-    """With Inductor's caches on (a user's default), the second compile of the same model is served
-    from the FX graph cache, which Inductor looks up after the joint graph's passes: remat's pass
-    ran, and its plan table is reported, both times."""
+def test_a_compile_that_asks_for_the_report_reports_though_aotautograd_cached_the_graph(tmp_path, monkeypatch):
+    """With the compile caches on (a user's default), a block compiled before is served from
+    AOTAutograd's cache, which skips the joint pass: a compile that asks for the report skips that
+    cache instead, so the pass runs and reports (without that, it reported nothing)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2))
-    counts = []
+    block = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2)).blocks[0]
+    x = torch.randn(2, 16, 32, requires_grad=True)
     counters.clear()
+    reports: list[str] = []
     with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
-        for _ in range(2):
+        for options in ({}, {}, {"report": reports.append}):
             torch._dynamo.reset()
-            reports: list[str] = []
-            torch.compile(model, backend="remat", options={"report": reports.append})(*model.example_inputs())
-            counts.append(len(reports))
+            torch.compile(block, backend="remat", options=options)(x).sum().backward()
     torch._dynamo.reset()
-    assert counters["inductor"]["fxgraph_cache_hit"] >= 1, dict(counters["inductor"])
-    assert counts[0] >= 1 and counts == [counts[0]] * 2, counts
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])  # the second
+    assert len(reports) == 1 and "Stashed activations" in reports[0], reports
 
 def _decomposed(with_outside_read_inside: bool):
     """gelu decomposed into exp and mul (same original_aten and seq_nr); optionally the mul also

@@ -283,10 +283,11 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
     Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor.
-    `report` receives each rewritten graph's plan table, on every compile: Inductor's FX graph
-    cache (keyed with RematPass.uuid: the rules, config, tiers and budget) is looked up after the
-    joint graph's passes, so a graph served from it was rewritten and reported all the same
-    (tests/test_fx_backend.py)."""
+    `report` receives each rewritten graph's plan table, on every compile. A graph AOTAutograd
+    serves from its cache (keyed with RematPass.uuid: the same graph, rules, config, tiers and
+    budget compiled before) runs no joint pass and would report nothing, though its code is the
+    rewritten graph's; so with `report` remat's compiles skip AOTAutograd's cache (Inductor's FX
+    graph cache, looked up after the joint pass, still serves them)."""
     inductor_options = _mode_options(mode)
     if ratio is not None:
         if budget is not None:
@@ -309,10 +310,11 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
         # puts the user's setting back afterwards. A one-phase region (the loss) keeps them: its
         # backward only scales the weight gradient, in place when the buffer is donated (measured:
         # 0.3-0.5 MiB off linear + cross-entropy's peak at 32 slices).
+        reported = {} if remat_pass.report is None else {"enable_autograd_cache": False}
         try:
             with inductor_config.patch(inductor_options), \
                     inductor_config.patch(joint_custom_pre_pass=remat_pass), \
-                    functorch_config.patch(donated_buffer=functorch_config.donated_buffer):
+                    functorch_config.patch(donated_buffer=functorch_config.donated_buffer, **reported):
                 return compile_fx(gm, example_inputs)
         except Exception as err:
             if remat_pass.strict:
