@@ -16,7 +16,9 @@ bfloat16 ones (bf16, autocast) at batch 8, so those rows run at batch 8.
 
 Each (architecture, precision) runs four processes, each with a time limit (a failure is one line
 and the other rows still run): the float64 reference (eager, on a float64 copy of the model: of its
-bf16-rounded weights for bf16, no autocast), `eager`, `compile` (plain Inductor, the anchor) and
+bf16-rounded weights for bf16, no autocast; transformers keeps its float32 upcasts there, the loss's
+`logits.float()`, RMSNorm's and the attention softmax's `dtype=torch.float32`, so the reference is
+as exact as float32 at those points: about 1e-7, far below bfloat16's 1e-2), `eager`, `compile` (plain Inductor, the anchor) and
 `remat` (torch.compile with remat's backend, the shipped rules at the default tier, REMAT_STRICT=1:
 remat's internal errors raised, never hidden by a fallback). Each runs two warm-up steps and a
 measured one. Columns: the loss's and the largest gradient's relative error against the float64
@@ -80,16 +82,19 @@ def _no_dropout(cfg) -> None:
                 setattr(holder, key, 0.0)
 
 
-def build(name: str, batch: int, attention: str):
+def build(name: str, batch: int, attention: str, reference: bool = False):
     """`name`'s causal LM from its config, random weights (seed SEED), wrapped to return its loss,
-    and its inputs (token ids, labels the same ids)."""
+    and its inputs (token ids, labels the same ids). `reference`: for the float64 copy, mixture of
+    experts run by transformers' eager loop over the experts (its default, torch._grouped_mm, has
+    no float64 kernel); the same weights, the same routing."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(name, **SIZE, **ARCHITECTURES[name])
     _no_dropout(cfg)
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention,
+                                             **({"experts_implementation": "eager"} if reference else {}))
     left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if left:
         raise RuntimeError(f"{name}: dropout left on at {left[0]} (the float64 reference could not match it)")
@@ -115,7 +120,7 @@ def reference_child(name: str, precision: str, args) -> dict:
     import numpy as np
     import torch
 
-    module, inputs = build(name, BATCH[precision], args.attention)
+    module, inputs = build(name, BATCH[precision], args.attention, reference=True)
     if precision == "bf16":
         module = module.to(torch.bfloat16)
     module = module.double()
@@ -223,9 +228,17 @@ def child(args) -> None:
         row = reference_child(name, precision, args) if config == "f64" else torch_child(name, precision, config, args)
     except Exception as exc:  # noqa: BLE001 - the row's failure, in one line
         stage = f"{args.stage}: " if getattr(args, "stage", None) else ""
-        print(MARK + json.dumps({"error": f"{stage}{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"}))
+        print(MARK + json.dumps({"error": f"{stage}{type(exc).__name__}: {_message(exc)[:500]}"}))
         return
     print(MARK + json.dumps({"rows": [row]}))       # as hf_models.run_one reads a child's output
+
+
+def _message(exc: Exception) -> str:
+    """The exception's message on one line; of Inductor's C++ compile errors (the g++ command
+    line first), the compiler's first error."""
+    text = str(exc)
+    compiler = [line for line in text.splitlines() if ": error: " in line]
+    return " ".join((compiler[0].split("/")[-1] if compiler else text).split())
 
 
 def _one(rows: list[dict] | str) -> dict | str:
@@ -278,7 +291,8 @@ def main() -> None:
             f"{'/compile':>9}{'peak compile':>13}{'remat':>8}{'ratio':>7}  plans applied")
     print(head)
     print("-" * len(head), flush=True)
-    failed, worse, refused, fired_fp32 = [], [], [], set()
+    failed: dict[str, list[str]] = {}
+    worse, refused, fired_fp32 = [], [], set()
     for name in args.models:
         for precision in args.precisions:
             results = {config: _one(run_one(f"{name}:{precision}:{config}", args, env, __file__))
@@ -310,7 +324,9 @@ def main() -> None:
             for problem in problems:
                 print(f"    FAILED {problem}", flush=True)
             if problems:
-                failed.append(f"{name} {precision} ({', '.join(p.split(':')[0] for p in problems)})")
+                # remat's own failures apart from those plain compile (Inductor) shares
+                kind = "remat" if isinstance(compile_row, dict) else "compile"
+                failed.setdefault(kind, []).append(f"{name} {precision} ({', '.join(p.split(':')[0] for p in problems)})")
             if fired is not None and LOSS_CHUNK in fired and precision == "fp32":
                 fired_fp32.add(name)
             if isinstance(remat_row, dict) and "refusal" in remat_row:
@@ -318,7 +334,9 @@ def main() -> None:
                 refused.append((name, precision))
     regressed = [f"{n} {p}" for n, p in refused if n in fired_fp32 and p != "fp32"]
     other = [f"{n} {p}" for n, p in refused if f"{n} {p}" not in regressed]
-    print(f"rows {len(args.models) * len(args.precisions)}; failed: {', '.join(failed) or 'none'}; "
+    print(f"rows {len(args.models) * len(args.precisions)}; failed where compile ran: "
+          f"{', '.join(failed.get('remat', [])) or 'none'}; failed with compile: "
+          f"{', '.join(failed.get('compile', [])) or 'none'}; "
           f"remat's error over {WORSE:g}x compile's: {', '.join(worse) or 'none'}; loss chunk refused where "
           f"it fires in fp32: {', '.join(regressed) or 'none'}; loss chunk not applied otherwise: "
           f"{', '.join(other) or 'none'}")
