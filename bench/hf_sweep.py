@@ -78,8 +78,8 @@ def _no_dropout(cfg) -> None:
     float64 reference cannot draw the masks float32 and bfloat16 draw."""
     for holder in (cfg, *(v for v in vars(cfg).values() if hasattr(v, "to_dict"))):
         for key, value in list(vars(holder).items()):
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-                setattr(holder, key, 0.0)
+            if ("dropout" in key or "pdrop" in key) and type(value) in (int, float) and value:
+                setattr(holder, key, type(value)(0))    # (MPT's attn_pdrop is typed int)
 
 
 def build(name: str, batch: int, attention: str, reference: bool = False):
