@@ -12,7 +12,7 @@ LM loss (bench/hf_models.py's helpers). Precisions:
   and the loss (the backward outside it), as users write it.
 
 The loss chunk (rules/chunk.rule) fires on logits of 16 MiB or more: float32 logits at batch 4,
-bfloat16 ones (bf16, autocast) at batch 8, so those rows run at batch 8.
+bfloat16 ones (bf16, autocast) at batch 8, so those rows run at batch 8 (`--batch` sets one for all).
 
 Each (architecture, precision) runs four processes, each with a time limit (a failure is one line
 and the other rows still run): the float64 reference (eager, on a float64 copy of the model: of its
@@ -34,7 +34,7 @@ rule does not match the largest forward matmul (engine.why_not). The last line: 
 (crashes, remat's numerics worse than compile's, the loss chunk refused where it fires in fp32).
 
     python bench/hf_sweep.py [--models gpt_neox mistral ...] [--precisions fp32 bf16 autocast]
-                             [--attention eager] [--timeout 900]
+                             [--attention eager] [--batch N] [--timeout 900]
 """
 from __future__ import annotations
 
@@ -105,6 +105,19 @@ def build(name: str, batch: int, attention: str, reference: bool = False):
     return _wrap(model, ("input_ids", "labels")), (ids, ids.clone())
 
 
+def batch(precision: str, args) -> int:
+    return args.batch or BATCH[precision]
+
+
+def supports(name: str, attention: str) -> bool:
+    """Whether transformers has `attention` for `name` (GPT-J, Gemma 2, BLOOM and MPT have no
+    sdpa in 5.23): a row it would refuse at build is skipped, said in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(name))]
+    return attention == "eager" or bool(getattr(model_class, f"_supports_{attention}", False))
+
+
 def autocast(precision: str):
     import torch
 
@@ -120,7 +133,7 @@ def reference_child(name: str, precision: str, args) -> dict:
     import numpy as np
     import torch
 
-    module, inputs = build(name, BATCH[precision], args.attention, reference=True)
+    module, inputs = build(name, batch(precision, args), args.attention, reference=True)
     if precision == "bf16":
         module = module.to(torch.bfloat16)
     module = module.double()
@@ -144,7 +157,7 @@ def torch_child(name: str, precision: str, config: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     args.stage = "build"
-    module, inputs = build(name, BATCH[precision], args.attention)
+    module, inputs = build(name, batch(precision, args), args.attention)
     if precision == "bf16":
         module = module.to(torch.bfloat16)
     backend = None
@@ -265,6 +278,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(ARCHITECTURES), default=list(ARCHITECTURES))
     ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     ap.add_argument("--attention", choices=("eager", "sdpa"), default="eager")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="one batch size for every precision (default: 4 in fp32, 8 in bf16 and autocast)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
     ap.add_argument("--out", type=Path, default=None)
@@ -285,15 +300,19 @@ def main() -> None:
                                                       tempfile.mkdtemp(prefix="remat-inductor-")))
     print(f"Hugging Face causal LMs (vocab {SIZE['vocab_size']}, hidden {SIZE['hidden_size']}, "
           f"{SIZE['num_hidden_layers']} layers, {SIZE['num_attention_heads']} heads, seq {SEQ}, batch "
-          f"{'/'.join(f'{BATCH[p]} {p}' for p in args.precisions)}, {args.attention} attention); errors "
+          f"{'/'.join(f'{batch(p, args)} {p}' for p in args.precisions)}, {args.attention} attention); errors "
           f"against float64 eager; peak: MiB above rest (VmHWM); {args.threads} threads", flush=True)
     head = (f"{'model':12}{'prec':9}{'eager':>9}{'compile loss':>13}{'grad':>9}{'remat loss':>11}{'grad':>9}"
             f"{'/compile':>9}{'peak compile':>13}{'remat':>8}{'ratio':>7}  plans applied")
     print(head)
     print("-" * len(head), flush=True)
     failed: dict[str, list[str]] = {}
-    worse, refused, fired_fp32 = [], [], set()
+    worse, refused, fired_fp32, skipped = [], [], set(), []
     for name in args.models:
+        if not supports(name, args.attention):
+            print(f"{name:12}skipped: transformers has no {args.attention} attention for it", flush=True)
+            skipped.append(name)
+            continue
         for precision in args.precisions:
             results = {config: _one(run_one(f"{name}:{precision}:{config}", args, env, __file__))
                        for config in ("f64", *CONFIGS)}
@@ -332,9 +351,11 @@ def main() -> None:
             if isinstance(remat_row, dict) and "refusal" in remat_row:
                 print(f"    loss chunk not applied: {remat_row['refusal']}", flush=True)
                 refused.append((name, precision))
+    rows = (len(args.models) - len(skipped)) * len(args.precisions)
     regressed = [f"{n} {p}" for n, p in refused if n in fired_fp32 and p != "fp32"]
     other = [f"{n} {p}" for n, p in refused if f"{n} {p}" not in regressed]
-    print(f"rows {len(args.models) * len(args.precisions)}; failed where compile ran: "
+    skipped_text = f" ({', '.join(skipped)} skipped)" if skipped else ""
+    print(f"rows {rows}{skipped_text}; failed where compile ran: "
           f"{', '.join(failed.get('remat', [])) or 'none'}; failed with compile: "
           f"{', '.join(failed.get('compile', [])) or 'none'}; "
           f"remat's error over {WORSE:g}x compile's: {', '.join(worse) or 'none'}; loss chunk refused where "
