@@ -293,11 +293,12 @@ def child(args) -> None:
     print(MARK + json.dumps({"rows": rows}))
 
 
-def run_one(spec: str, args, env: dict) -> list[dict] | str:
-    """One child process: its rows, or its failure in one line."""
+def run_one(spec: str, args, env: dict, script: str = __file__) -> list[dict] | str:
+    """One child process of `script` (this file, or another bench that prints its rows so): its
+    rows, or its failure in one line."""
     from torch_step import run_child
 
-    proc = run_child([sys.executable, __file__, *sys.argv[1:], "--out", str(args.out), "--child", spec],
+    proc = run_child([sys.executable, script, *sys.argv[1:], "--out", str(args.out), "--child", spec],
                      args.timeout, env)
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
