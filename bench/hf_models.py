@@ -36,6 +36,7 @@ and the rows that failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -177,6 +178,64 @@ def _fired(results, chunk_results) -> dict[str, int]:
     return count_firings(SimpleNamespace(results=results, chunk_results=chunk_results))[0]
 
 
+def measured_step(module, inputs, config: str, args, tiers=(), forward=contextlib.nullcontext):
+    """`module` under `config` (eager; compile, plain Inductor; remat, what backend="remat"
+    registers at `tiers`): two warm-up steps, then one measured. Returns its loss, its peak above
+    rest in MiB (VmHWM) and remat's backend (None otherwise), kept to count its plans. Each step
+    draws its random numbers from STEP_SEED; `forward()` wraps each forward (autocast); the
+    parameters keep the measured step's gradients; `args.stage` says where a failure happened."""
+    import torch
+
+    import backends.fx as fx_backend
+    from backends.process_peak import peak_bytes, reset_peak
+
+    backend = None
+    if config == "eager":
+        fn = module
+    elif config == "compile":
+        fn = torch.compile(module)
+    else:
+        backend = fx_backend.backend(tiers=tiers)
+        fn = torch.compile(module, backend=backend)
+
+    def step() -> torch.Tensor:
+        torch.manual_seed(STEP_SEED)
+        with forward():
+            loss = fn(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    args.stage = "first step (compile)"
+    for _ in range(2):
+        step()
+        for p in module.parameters():
+            p.grad = None
+        args.stage = "second step"
+    args.stage = "measured step"
+    rest = reset_peak(False)
+    loss = step()
+    peak = peak_bytes(False)
+    return loss, (peak - rest) / 2**20, backend
+
+
+def child_env(args, prefix: str, **extra: str) -> dict:
+    """The parent's setup shared by the Hugging Face benches: remat strict and transformers offline
+    and quiet (in this process and its children), `args.out` made (a fresh folder named `prefix`
+    by default), and the children's environment: each child's peak as README "Benchmarks" measures
+    it, and a fresh Inductor cache for the run (a graph AOTAutograd serves from its cache runs no
+    remat pass, so would report no plans)."""
+    os.environ.setdefault("REMAT_STRICT", "1")   # an internal error is raised, never hidden by a fallback
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.child:
+        return {}
+    args.out = args.out or Path(tempfile.mkdtemp(prefix=prefix))
+    args.out.mkdir(parents=True, exist_ok=True)
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", **extra,
+                TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                                       tempfile.mkdtemp(prefix="remat-inductor-")))
+
+
 def torch_child(model: str, config: str, args, float64: bool = False) -> list[dict]:
     """One training step of `model` under `config` (eager, compile, remat) after two warm-ups: its
     peak above rest (VmHWM), and its loss and gradients saved for the comparison with eager.
@@ -185,44 +244,16 @@ def torch_child(model: str, config: str, args, float64: bool = False) -> list[di
     import torch
     import torch._inductor.config as inductor_config
 
-    import backends.fx as fx_backend
-    from backends.process_peak import peak_bytes, reset_peak
-
     torch.set_num_threads(args.threads)
     inductor_config.fallback_random = True          # dropout draws eager's random numbers
     module, inputs = FACTORIES[model]()
     if float64:
         module = module.double()
-    backend = None
-    if config == "eager":
-        fn = module
-    elif config == "compile":
-        fn = torch.compile(module)
-    else:
-        # What backend="remat" registers (the shipped rules, default tier), kept to count its plans.
-        backend = fx_backend.backend(tiers=args.tiers)
-        fn = torch.compile(module, backend=backend)
-
-    def step() -> torch.Tensor:
-        torch.manual_seed(STEP_SEED)
-        loss = fn(*inputs)
-        loss.backward()
-        return loss.detach()
-
-    def clear() -> None:
-        for p in module.parameters():
-            p.grad = None
-
-    for _ in range(2):
-        step()
-        clear()
-    rest = reset_peak(False)
-    loss = step()
-    peak = peak_bytes(False)
+    loss, peak, backend = measured_step(module, inputs, config, args, args.tiers)
     outputs = {"loss": loss.numpy(), **{f"grad.{n}": p.grad.numpy() for n, p in module.named_parameters()}}
     np.savez(_saved(args.out, model, config, float64), **outputs)
     fired = None if backend is None else _fired(backend.remat_pass.results, backend.remat_pass.chunk_results)
-    return [{"model": model, "path": f"torch/{config}", "peak": (peak - rest) / 2**20, "fired": fired}]
+    return [{"model": model, "path": f"torch/{config}", "peak": peak, "fired": fired}]
 
 
 def _errors(errors: dict[str, float]) -> tuple[float, float]:
@@ -343,19 +374,11 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     TOLERANCE = args.tolerance
-    os.environ.setdefault("REMAT_STRICT", "1")   # an internal error is raised, never hidden by a fallback
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    options = {k: getattr(args, k) for k in ("vocab", "d", "layers", "heads", "batch", "seq", "attention")}
+    env = child_env(args, "remat-hf-", REMAT_HF_BENCH=json.dumps(options))
     if args.child:
         child(args)
         return
-    args.out = args.out or Path(tempfile.mkdtemp(prefix="remat-hf-"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    options = {k: getattr(args, k) for k in ("vocab", "d", "layers", "heads", "batch", "seq", "attention")}
-    # Each child's peak as README "Benchmarks" measures it; a fresh Inductor cache for the run.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", REMAT_HF_BENCH=json.dumps(options),
-               TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR",
-                                                      tempfile.mkdtemp(prefix="remat-inductor-")))
     print(f"Hugging Face models ({', '.join(f'{k} {v}' for k, v in options.items())}); "
           f"{args.threads} threads; peak: MiB above rest (VmHWM)", flush=True)
     head = (f"{'model':8}{'path':26}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'peak MiB':>10}{'vs anchor':>11}"

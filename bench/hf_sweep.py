@@ -41,16 +41,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # tests/ first: its zoo.py (count_firings, for hf_models._fired) shares a name with bench/zoo.py.
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from hf_models import MARK, SEED, STEP_SEED, _fired, _tokens, _wrap, fired_text, run_one  # noqa: E402
+from hf_models import (MARK, SEED, STEP_SEED, _fired, _tokens, _wrap, child_env, fired_text,  # noqa: E402
+                       measured_step, run_one)
 
 LOSS_CHUNK = "chunk_linear_cross_entropy"
 CONFIGS = ("eager", "compile", "remat")
@@ -152,51 +151,21 @@ def torch_child(name: str, precision: str, config: str, args) -> dict:
     import numpy as np
     import torch
 
-    import backends.fx as fx_backend
-    from backends.process_peak import peak_bytes, reset_peak
-
     torch.set_num_threads(args.threads)
     args.stage = "build"
     module, inputs = build(name, batch(precision, args), args.attention)
     if precision == "bf16":
         module = module.to(torch.bfloat16)
-    backend = None
-    if config == "eager":
-        fn = module
-    elif config == "compile":
-        fn = torch.compile(module)
-    else:
-        backend = fx_backend.backend()      # what backend="remat" registers, kept to count its plans
-        fn = torch.compile(module, backend=backend)
-
-    def step() -> torch.Tensor:
-        torch.manual_seed(STEP_SEED)
-        with autocast(precision):
-            loss = fn(*inputs)
-        loss.backward()
-        return loss.detach()
-
-    def clear() -> None:
-        for p in module.parameters():
-            p.grad = None
-
-    args.stage = "first step (compile)"
-    for _ in range(2):
-        step()
-        clear()
-        args.stage = "second step"
-    args.stage = "measured step"
-    rest = reset_peak(False)
-    loss = step()
-    peak = peak_bytes(False)
+    loss, peak, backend = measured_step(module, inputs, config, args, forward=lambda: autocast(precision))
     np.savez(_saved(args.out, name, precision, config), loss=loss.float().numpy(),
              **{f"grad.{n}": p.grad.float().numpy() for n, p in module.named_parameters()})
-    row = {"peak": (peak - rest) / 2**20}
+    row = {"peak": peak}
     if backend is not None:
         row["fired"] = _fired(backend.remat_pass.results, backend.remat_pass.chunk_results)
         if LOSS_CHUNK not in row["fired"]:
             args.stage = "the loss chunk's refusal"
-            clear()
+            for p in module.parameters():
+                p.grad = None
             # Planned but not built (FxBuilder refused the region) comes first; else how analyze plans it.
             built = [" ".join(m.split()) for m in backend.remat_pass.chunk_failures if LOSS_CHUNK in m]
             row["refusal"] = " | ".join(built)[:600] or loss_chunk_refusal(module, inputs, precision)
@@ -285,19 +254,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.environ.setdefault("REMAT_STRICT", "1")   # an internal error is raised, never hidden by a fallback
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env = child_env(args, "remat-hf-sweep-")
     if args.child:
         child(args)
         return
-    args.out = args.out or Path(tempfile.mkdtemp(prefix="remat-hf-sweep-"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Each child's peak as README "Benchmarks" measures it; a fresh Inductor cache for the run (a
-    # graph served from the cache runs no remat pass, so would report no plans).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
-               TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR",
-                                                      tempfile.mkdtemp(prefix="remat-inductor-")))
     print(f"Hugging Face causal LMs (vocab {SIZE['vocab_size']}, hidden {SIZE['hidden_size']}, "
           f"{SIZE['num_hidden_layers']} layers, {SIZE['num_attention_heads']} heads, seq {SEQ}, batch "
           f"{'/'.join(f'{batch(p, args)} {p}' for p in args.precisions)}, {args.attention} attention); errors "
