@@ -28,6 +28,9 @@ class GPTConfig:
     # Dropout on the attention probabilities and on each block's two residual branches (nanoGPT's
     # places), in training mode; 0 leaves no dropout in the graph.
     dropout: float = 0.0
+    # The label shift of transformers before 4.46 and of many training scripts: the loss reads
+    # logits[:, :-1] against targets[:, 1:] (the sequence sliced between the head and the loss).
+    label_shift: bool = False
 
 
 DEMO_CONFIG = GPTConfig(vocab=2048, d_model=128, layers=2, heads=4, seq=256, batch=8)
@@ -86,6 +89,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))
+        if self.cfg.label_shift:
+            logits, targets = logits[:, :-1].contiguous(), targets[:, 1:].contiguous()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

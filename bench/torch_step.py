@@ -81,7 +81,7 @@ def child(name: str, args) -> dict:
     device = torch.device(args.device)
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
-                    heads=args.heads, seq=args.seq, attention=args.attention)
+                    heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift)
     model = gpt(cfg).to(device)
     inputs = [t.to(device) for t in model.example_inputs()]
     if name == "checkpoint":
@@ -97,6 +97,8 @@ def child(name: str, args) -> dict:
             for block in model.blocks:
                 x = block(x)
             h = model.ln(x)
+            if args.label_shift:
+                h, targets = h[:, :-1], targets[:, 1:]
             return loss_fn(h.reshape(-1, h.shape[-1]), model.head.weight, targets.reshape(-1))
 
         model.forward = forward
@@ -207,6 +209,8 @@ def main() -> None:
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
+    ap.add_argument("--label-shift", action="store_true",
+                    help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -272,7 +276,8 @@ def main() -> None:
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device.startswith("cuda") else "MiB (process VmHWM)"
     print(f"GPT-like: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
-          f"seq {args.seq}, {args.attention} attention; {args.device}, {args.threads} threads; peak in {unit}")
+          f"seq {args.seq}, {args.attention} attention{', label shift' if args.label_shift else ''}; "
+          f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
           f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")
     for name, r in rows.items():

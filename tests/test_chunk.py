@@ -228,6 +228,58 @@ def test_a_per_position_factor_between_the_reshapes_is_refused():
     assert "Mul " in str(refusal.reason), refusal.reason
 
 
+class ShiftHead(nn.Module):
+    """The label shift of transformers before 4.46 and of many training scripts: logits in
+    (batch, seq, vocab), the last position dropped (`logits[..., :-1, :]`, or the first with
+    `drop="first"`), against the labels shifted by one."""
+
+    def __init__(self, d: int, vocab: int, drop: str = "last"):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.drop = drop
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        if self.drop == "last":
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        else:
+            logits, labels = logits[:, 1:], labels[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("batch,count,drop,slices", [(4, 4, "last", 4), (4, 3, "last", 2), (3, 8, "first", 3)])
+def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batch, count, drop, slices):
+    """`logits[..., :-1, :]` slices the sequence of (batch, seq, vocab), where the head's tokens
+    are (batch * seq): the slices of tokens have no place there unless they are whole batch
+    rows. The region makes them so (granule = seq): the loss's tokens are (batch * (seq - 1)),
+    each slice its rows' share, and the gradient's zero row (slice_scatter) is padded per slice."""
+    torch.manual_seed(0)
+    seq = 24
+    model = ShiftHead(16, 300, drop)
+    inputs = _softcap_inputs(batch, seq, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, count))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.granule == seq and sum(region.chunks) == batch * seq and len(region.chunks) == slices
+    assert all(size % seq == 0 for size in region.chunks)
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def test_a_label_shift_of_one_sequence_is_refused_with_the_reason():
+    """Batch 1: (tokens, vocab) -> (1, seq, vocab) keeps the tokens as the sequence, which the
+    shift slices: refused, naming the slice, not built wrong (slices that end one row short
+    are not built)."""
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    planning = plan(_joint(ShiftHead(16, 300), _softcap_inputs(1, 24, 16, 300)), rules)
+    assert not planning.plans
+    [refusal] = planning.refusals
+    assert "Slice slice_1 works along dim 1" in str(refusal.reason), refusal.reason
+
+
 # Elementwise steps on (batch, seq, vocab) logits between the head's reshape and the loss's: the
 # ones the slices can run in their (tokens, vocab) shape, and one they cannot (per position).
 _BETWEEN = {

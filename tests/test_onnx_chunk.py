@@ -16,7 +16,7 @@ from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
 from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, Attention, ChainHead, Head,  # noqa: E402
-                        SoftcapHead, _inputs, _softcap_inputs)
+                        ShiftHead, SoftcapHead, _inputs, _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
@@ -68,6 +68,23 @@ def test_a_softcap_between_the_reshapes_runs_in_the_loop(bias):
     exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
     assert rewrite.chunked == 1 and not rewrite.failures
     assert _largest_outside_loops(rewrite.graph) < 48 * 300
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+@pytest.mark.parametrize("drop", ["last", "first"])
+def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop):
+    """As on torch (test_chunk.py): the Loop's slices are whole batch rows. The slice's gradient
+    is exported as a Pad (torch_export._slice_backward), its bounds as constants the importer
+    reads through torch.onnx's casts and reshapes."""
+    torch.manual_seed(0)
+    model = ShiftHead(16, 300, drop)
+    exported = export_training_step(model, _softcap_inputs(4, 24, 16, 300), exporter=exporter)
+    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    assert _largest_outside_loops(rewrite.graph) <= 24 * 300
+    outputs = run(export_model(rewrite.graph), exported.feeds)
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 

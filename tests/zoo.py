@@ -836,11 +836,11 @@ FIXED: list[Variant] = [
       expect=CHUNKS + ("recompute_activation",)),
     V("gpt_div_tensor_additive_rmshand_swiglu_sum", scale="div_tensor", mask="additive", norm="rms_hand",
       mlp="swiglu", loss="ce_sum", expect=CHUNKS + ("recompute_elementwise",)),
-    # HF's label shift: the 3-d logits are sliced before the reshape to (tokens, vocab), which
-    # does not carry the sliced dim: the loss is not chunked (refused).
+    # HF's label shift: the 3-d logits are sliced along the sequence before the reshape to
+    # (tokens, vocab): the loss chunk runs in slices of whole batch rows (2 here).
     V("gpt_scaleq_triu_rmsmodule_gelutanh_tied_flinear_shift", scale="scale_q", mask="triu",
       norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift",
-      expect=("chunk_attention_scores", "recompute_activation")),
+      expect=CHUNKS + ("recompute_activation",)),
     V("gpt_gqa_repeat_where_relu_smooth_rope", heads="gqa_repeat", mask="is_causal", mlp="relu",
       loss="ce_smooth", logits="matmul_t", rope=True, expect=CHUNKS + ("recompute_layout",)),
     V("gpt_gqa_expand_einsum_gelu_hand_count_tied_nobias", heads="gqa_expand", scale="einsum",
@@ -894,11 +894,11 @@ FIXED: list[Variant] = [
 
 
 # The losses the loss chunk takes whole; the others are refused, not crashed on (ce_hand: its
-# backward is a scatter_add, not declared linear_in_gradient; ce_shift: the 3-d logits are
-# sliced along the sequence before the reshape to (tokens, vocab), so the tokens of the loss are
-# not the tokens of the head). softcap's elementwise ops between the two reshapes run in the
-# slices' shape (engine/strategies/chunk/grow.py, include_reshaped).
-CHUNKED_LOSSES = ("ce_mean", "ce_sum", "ce_smooth", "ce_ignore", "nll", "ce_count", "z_loss", "softcap")
+# backward is a scatter_add, not declared linear_in_gradient). softcap's elementwise ops between
+# the two reshapes run in the slices' shape (engine/strategies/chunk/grow.py, include_reshaped);
+# ce_shift's slice along the sequence runs in slices of whole batch rows (BATCH is 2).
+CHUNKED_LOSSES = ("ce_mean", "ce_sum", "ce_smooth", "ce_ignore", "nll", "ce_count", "z_loss", "softcap",
+                  "ce_shift")
 
 
 def implied_rules(variant: Variant) -> tuple[str, ...]:

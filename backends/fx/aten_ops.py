@@ -35,6 +35,8 @@ ATTRIBUTE_ARGS = {
     "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
     "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},
     "full_like": {1: "value"}, "native_dropout": {2: "training_mode"},
+    "slice": {1: "axes", 2: "starts", 3: "ends", 4: "steps"},
+    "slice_scatter": {2: "axes", 3: "starts", 4: "ends", 5: "steps"},
     "_scaled_dot_product_flash_attention_for_cpu": {3: "dropout_p", 4: "is_causal"},
     "_scaled_dot_product_flash_attention": {3: "dropout_p", 4: "is_causal", 5: "return_debug_mask"},
     "_scaled_dot_product_efficient_attention": {4: "compute_log_sumexp", 5: "dropout_p", 6: "is_causal"},
@@ -70,6 +72,14 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
         out["perm"] = perm
     elif base == "t" and rank is not None:
         out["perm"] = list(range(rank))[::-1]
+    elif base in ("slice", "slice_scatter"):
+        # ONNX Slice's parameters, as lists: one axis, from 0 to the end unless given
+        # (keyword arguments by ATen's names; a symbolic bound stays as it is)
+        given = {key: out.pop(aten, out.get(key)) for key, aten in
+                 (("axes", "dim"), ("starts", "start"), ("ends", "end"), ("steps", "step"))}
+        defaults = {"axes": 0, "starts": 0, "ends": _END, "steps": 1}
+        out.update({key: [int(v) if isinstance(v, int) else v]
+                    for key, v in ((k, defaults[k] if given[k] is None else given[k]) for k in defaults)})
     elif base == "permute" and "perm" in out:
         out["perm"] = [int(p) for p in out["perm"]]
     for key, default in EXPLICIT_DEFAULTS.get(base, {}).items():
@@ -78,6 +88,7 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
 
 
 REDUCTIONS = {"sum", "mean", "amax", "amin"}
+_END = 2**63 - 1        # ATen's and ONNX's "to the end" of a slice
 
 
 def _as_list(x) -> list:

@@ -52,8 +52,8 @@ def _with_size(node: fx.Node, dim: int, size: int, env: dict[fx.Node, fx.Node], 
     return copy
 
 
-def _fake_slice(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
-    return t if dim is None else aten.slice.Tensor(t, dim, 0, size)
+def _fake_slice(t: torch.Tensor, meta, size: int) -> torch.Tensor:
+    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, 0, meta.rows(size))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -150,8 +150,8 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         for size in region.chunks:
             args = []
             for x, m in zip(operands, input_meta):
-                args.append(x if m.dim is None else
-                            graph.call_function(aten.slice.Tensor, (x, m.dim, start, start + size)))
+                args.append(x if m.dim is None else graph.call_function(
+                    aten.slice.Tensor, (x, m.dim, m.rows(start), m.rows(start + size))))
             attr = subgraphs[size]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sums.values()))
@@ -230,7 +230,7 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
     env: dict[fx.Node, fx.Node] = {}
     for x, m in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
-        p.meta["val"] = _fake_slice(x.meta["val"], m.dim, size)
+        p.meta["val"] = _fake_slice(x.meta["val"], m, size)
         env[x] = p
     sliced = {x for x, m in zip(inputs, input_meta) if m.dim is not None}
     for fx_node in body:
@@ -242,7 +242,7 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
         elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
             # Its output shape is written in its arguments (a view's target, the zeros a loss
             # gradient scatters into): the slice's size goes there.
-            env[fx_node] = _with_size(fx_node, m.dim, size, env, sub)
+            env[fx_node] = _with_size(fx_node, m.dim, m.rows(size), env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
     results = [env[o] for o in outputs]

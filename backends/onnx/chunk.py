@@ -30,7 +30,7 @@ from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.shapes import Dim, simplify
-from engine.strategies.chunk import ChunkPhase, ChunkRegion
+from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion
 
 from .formulas import DimEmitter
 
@@ -233,13 +233,23 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
                   "slice_start", DType.INT64, (1,))
     end = g.add("Add", [start, size], "slice_end", DType.INT64, (1,))
     env: dict[int, Value] = {}
+
+    def rows(x: Value, unit) -> Value:
+        """`x` rows of the chunked value as rows of a value with this unit (ChunkMeta.unit)."""
+        if unit == 1:
+            return x
+        scaled = g.add("Mul", [x, g.const("unit_rows", np.array([unit.numerator], np.int64))], f"{x.name}_scaled",
+                       DType.INT64, (1,))
+        return g.add("Div", [scaled, g.const("unit_per", np.array([unit.denominator], np.int64))],
+                     f"{x.name}_rows", DType.INT64, (1,))
+
     for v in phase.inputs:
         m = region.meta_of(v)
         if m.dim is None:
             continue
         axis = g.const("slice_axis", np.array([m.dim % _rank(v)], np.int64))
-        env[id(v)] = g.add("Slice", [v, start, end, axis], f"{v.name}_slice", v.dtype,
-                           _sliced_shape(v, m.dim, run.size_dim))
+        env[id(v)] = g.add("Slice", [v, rows(start, m.unit), rows(end, m.unit), axis], f"{v.name}_slice", v.dtype,
+                           _sliced_shape(v, m.dim, m.rows(run.size_dim)))
     elided = {id(n) for n in region.elided}
     for node in phase.nodes:
         if id(node) in elided:
@@ -249,9 +259,10 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
-            inputs[position] = _resized_shape(g, node, node.inputs[position], m.dim, run, size)
+            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, size)
         outs = [Value(names(f"{o.name}_slice"), o.dtype,
-                      _sliced_shape(region.shaped_like(o), region.meta_of(o).dim, run.size_dim))
+                      _sliced_shape(region.shaped_like(o), region.meta_of(o).dim,
+                                    region.meta_of(o).rows(run.size_dim)))
                 for o in node.outputs]
         attrs = dict(node.attrs)
         written = outs
@@ -275,8 +286,10 @@ def _is_static(v: Value) -> bool:
     return v.shape is not None and all(isinstance(d, int) for d in v.shape)
 
 
-def _resized_shape(g: _Graph, node: Node, shape: Value, dim: int, run: _Run, size: Value) -> Value:
-    """`shape` (the target shape an op reads) with the slice's size at `dim`."""
+def _resized_shape(g: _Graph, node: Node, shape: Value, meta: ChunkMeta, run: _Run, size: Value) -> Value:
+    """`shape` (the target shape an op reads) with the slice's size at the dim of `meta`
+    (a region whose values' rows are not the chunked value's has static slices)."""
+    dim = meta.dim
     ints = shape.ints
     if ints is not None:
         ints = list(ints)
@@ -284,7 +297,7 @@ def _resized_shape(g: _Graph, node: Node, shape: Value, dim: int, run: _Run, siz
         if ints[dim] == -1:
             return shape
         if isinstance(run.size, int):
-            ints[dim] = run.size
+            ints[dim] = meta.rows(run.size)
             return g.const(f"{shape.name}_slice", np.array(ints, np.int64))
         parts = [g.const(f"{shape.name}_head", np.array(ints[:dim], np.int64)), size,
                  g.const(f"{shape.name}_tail", np.array(ints[dim + 1:], np.int64))]
@@ -344,14 +357,15 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
                     pieces[k].append(s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
-        stacked = [Value(names(f"{o.name}_stacked"), o.dtype, (run.count_dim, *_sliced_shape(o, dim, run.size_dim)))
+        stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
+                         (run.count_dim, *_sliced_shape(o, dim, region.meta_of(o).rows(run.size_dim))))
                    for o, dim in zip(scans, scan_dims)]
         trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}))
         totals = outs
         for k, (o, s, dim) in enumerate(zip(scans, stacked, scan_dims)):
-            pieces[k].append(_unstack(g, s, o, dim, run))
+            pieces[k].append(_unstack(g, s, o, dim, run, region.meta_of(o)))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
     for o, parts, dim in zip(scans, pieces, scan_dims):
@@ -375,15 +389,15 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
     return results[:len(carried)], results[len(carried):]
 
 
-def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run) -> Value:
+def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: ChunkMeta) -> Value:
     """(count, ..., size, ...) -> (..., count * size, ...): the slices side by side along `dim`."""
     rank = len(like.shape)
-    shape = _sliced_shape(like, dim, run.size_dim)
+    shape = _sliced_shape(like, dim, meta.rows(run.size_dim))
     if dim:
         perm = [*range(1, dim + 1), 0, *range(dim + 1, rank + 1)]
         shape = (*shape[:dim], run.count_dim, *shape[dim:])
         stacked = g.add("Transpose", [stacked], f"{like.name}_gathered", like.dtype, shape, {"perm": perm})
-    merged = _sliced_shape(like, dim, simplify(run.count_dim * run.size_dim))
+    merged = _sliced_shape(like, dim, meta.rows(simplify(run.count_dim * run.size_dim)))
     if run.static and all(isinstance(d, int) for d in merged):
         target = g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))
     else:           # the dims around the slices' two, read from the stacked value itself

@@ -9,6 +9,7 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.onnx_ops import DTYPE_ATTRIBUTES
@@ -386,8 +387,9 @@ def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
 
 
 def _note_constant_ints(node: Node) -> None:
-    """`Value.ints` for a Constant's small integer output, and for the Concat of such
-    values (the exporter writes a reshape's target shape as a Concat of one-element constants)."""
+    """`Value.ints` for a Constant's small integer output, for the Concat of such values (the
+    exporter writes a reshape's target shape as a Concat of one-element constants), and for
+    such a value cast to an integer type or reshaped."""
     out = node.outputs[0] if node.outputs else None
     if node.op == "Constant":
         if isinstance(node.attrs.get("value"), onnx.TensorProto):
@@ -396,6 +398,13 @@ def _note_constant_ints(node: Node) -> None:
             out.ints = [int(x) for x in node.attrs["value_ints"]]
         elif "value_int" in node.attrs:
             out.ints = [int(node.attrs["value_int"])]
+    elif (node.op in ("Reshape", "Squeeze", "Unsqueeze", "Identity") or (
+            node.op == "Cast" and node.attrs.get("to") in (DType.INT64, DType.INT32))):
+        # torch.onnx writes a slice's bounds and axis as a scalar constant cast to int64 and
+        # reshaped to one element: the same numbers
+        first = node.inputs[0] if node.inputs else None
+        if first is not None and first.ints is not None and out is not None:
+            out.ints = list(first.ints)
     elif node.op == "Concat" and node.attrs.get("axis") == 0:
         parts = [v.ints if v is not None else None for v in node.inputs]
         if parts and all(p is not None for p in parts) and sum(map(len, parts)) <= _SMALL_INTS:

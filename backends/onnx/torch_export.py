@@ -180,7 +180,7 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     step = _step_fn(module, names, len(inputs))
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
-            graph = make_fx(step, decomposition_table={**core_aten_decompositions(),
+            graph = make_fx(step, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
                                                        **get_decompositions(list(written_out))},
                             tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
     return TracedStep(graph, step, names, params)
@@ -229,6 +229,25 @@ def _copy(self, src, non_blocking: bool = False):
 # kernels for, forward and backward.
 _NO_DOUBLE_KERNEL = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_layer_norm_backward.default)
 
+def _slice_backward(grad_output, input_sizes, dim: int, start: int, end: int, step: int):
+    """aten.slice_backward (the gradient of `logits[:, :-1]`) as zeros padded around the
+    gradient, ONNX's Pad, where torch.onnx writes zeros and a ScatterND of computed indices
+    along a transposed copy: the same numbers, in an op whose dims a chunk region can follow.
+    A strided slice keeps ATen's own decomposition."""
+    if step != 1:
+        return NotImplemented
+    size = input_sizes[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    rank = len(input_sizes)
+    dim = dim % rank
+    pad = [0, 0] * (rank - 1 - dim) + [start, size - end]
+    return torch.ops.aten.constant_pad_nd.default(grad_output, pad, 0.0)
+
+
+# Decompositions both exporters trace with, ahead of ATen's own.
+_DECOMPOSITIONS = {torch.ops.aten.slice_backward.default: _slice_backward}
+
 # torch.onnx's translations the exporters replace: only what it gets wrong.
 _TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward,
                  torch.ops.aten.copy.default: _copy}
@@ -274,7 +293,7 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     with _traceable():
         joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params),
                                                   *buffers], trace_joint=True,
-                                        decompositions=get_decompositions(list(written_out)) or None)
+                                        decompositions={**_DECOMPOSITIONS, **get_decompositions(list(written_out))})
     return TracedStep(_JointStep(joint, n_inputs, buffers), _step_fn(module, names, n_inputs), names, params)
 
 

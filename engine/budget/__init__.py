@@ -80,9 +80,9 @@ def site_of(region) -> Site:
 
 def menu(region: ChunkRegion) -> list[int]:
     """Slice counts to choose from: the rule's own, and powers of two up to the sliced size."""
-    size = sum(region.chunks)
-    counts = {len(region.chunks), *(k for k in SLICE_MENU if k <= size)}
-    return sorted(k for k in counts if 2 <= k <= size)
+    most = region.most_slices
+    counts = {len(region.chunks), *(k for k in SLICE_MENU if k <= most)}
+    return sorted(k for k in counts if 2 <= k <= most)
 
 
 def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tuple[list[Option], list]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..analysis import Analysis, liveness
 from ..ir import Graph, Value
 from ..shapes import evaluate
-from ..strategies.chunk import ChunkRegion, slice_sizes
+from ..strategies.chunk import ChunkRegion
 from ..strategies.recompute import Region
 
 
@@ -159,7 +159,7 @@ def recompute_effect(region: Region, curve: Curve, analysis: Analysis, views: fr
 def chunk_effect(region: ChunkRegion, slices: int, curve: Curve, analysis: Analysis,
                  views: frozenset[str]) -> list[Interval]:
     examples = curve.graph.dim_examples
-    sizes = slice_sizes(sum(region.chunks), slices)
+    sizes = region.sizes_for(slices)
     whole = sum(sizes)
     outputs = {id(o) for o in region.outputs}
     out: list[Interval] = []

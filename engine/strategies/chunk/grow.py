@@ -39,6 +39,7 @@ cannot carry, or a gradient an op is not linear in, is refused with a reason nam
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 from ...guards import Unproven, evaluate_expr
@@ -156,6 +157,7 @@ class _Grower:
         self.inputs: dict[int, Value] = {}
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
+        self.coarsened_by: Node | None = None   # the first reshape that made the slices coarser
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.index.tangent_ids
@@ -216,7 +218,7 @@ class _Grower:
                 self.meta[id(node.outputs[0])] = m
                 self.reshaped[id(node.outputs[0])] = self.reshaped.get(id(inputs[0]), inputs[0])
                 return
-        out_dim, need_sum, shape_only = None, False, False
+        out_dim, need_sum, shape_only, out_unit = None, False, False, None
         type_only = TYPE_ONLY.get(kind, ())
         for i, v in enumerate(inputs):
             m = self.meta.get(id(v))
@@ -230,8 +232,12 @@ class _Grower:
             if m.dim is None:
                 continue
             o = next((o for o, d in dm.maps[i].items() if d == m.dim), None)
+            got_unit = m.unit
             if o is not None:
                 got_dim, got_sum = o, False
+            elif (i, m.dim) in dm.regrouped:
+                got_dim, factor = dm.regrouped[(i, m.dim)]
+                got_sum, got_unit = False, self.coarsen(node, m.unit * factor)
             elif any((i, m.dim) in group for group in dm.summed):
                 got_dim, got_sum = None, True
             elif (i, m.dim) in dm.blocked:
@@ -241,49 +247,60 @@ class _Grower:
                               f"to its output")
             if (out_dim, need_sum) not in ((None, False), (got_dim, got_sum)):
                 raise Refused(f"{node.op} {node.name}: its inputs are sliced along different dims")
-            out_dim, need_sum = got_dim, got_sum
+            if out_unit not in (None, got_unit):
+                raise Refused(f"{node.op} {node.name}: its inputs are sliced in rows of different sizes")
+            out_dim, need_sum, out_unit = got_dim, got_sum, got_unit
         if out_dim is None and not need_sum:
             if required is None and not shape_only:
                 raise Refused(f"{node.op} {node.name} reads no sliced value")
             out_dim = None if required is None else required.dim
-        elif required is not None and required.dim != out_dim:
+            out_unit = None if required is None else required.unit
+        elif required is not None and (required.dim, required.unit) != (out_dim, out_unit):
             raise Refused(f"{node.op} {node.name} is needed sliced along dim {required.dim}, "
-                          f"but its inputs give dim {out_dim}")
+                          f"but its inputs give dim {out_dim}" + (
+                              f" in rows of another size ({out_unit} against {required.unit})"
+                              if required.dim == out_dim else ""))
+        out_unit = Fraction(1) if out_unit is None else out_unit
         self.region[id(node)] = node
-        want: dict[int, int | None] = {}
+        want: dict[int, tuple[int | None, Fraction]] = {}
         for i, v in enumerate(inputs):
             if out_dim is not None:
-                want[i] = dm.maps[i].get(out_dim)
+                want[i] = (dm.maps[i].get(out_dim), out_unit)
+                if want[i][0] is None:       # a reshape's input, needed in whole rows of the group
+                    want[i] = next(((d, out_unit / factor) for (j, d), (o, factor) in dm.regrouped.items()
+                                    if j == i and o == out_dim), want[i])
             else:
                 group = next((g for g in dm.summed if any(
                     (j, (self.meta.get(id(inputs[j])) or ChunkMeta()).dim) in g for j in range(len(inputs)))), [])
-                want[i] = next((d for j, d in group if j == i), None)
+                want[i] = (next((d for j, d in group if j == i), None), out_unit)
         for i, v in enumerate(inputs):
             if self.in_region(v) or id(v) in self.inputs:
                 continue
-            r = want[i]
+            r, unit = want[i]
             if r is not None and self.should_pull(v):
-                self.include(v.producer, ChunkMeta(r))
+                self.include(v.producer, ChunkMeta(r, unit=unit))
                 continue
             if r is not None and (v.shape is None or r >= len(v.shape)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
-            if r is not None and not same_size(v.shape[r], self.size):
+            rows = ChunkMeta(r, unit=unit).rows(self.size) if r is not None else None
+            if r is not None and not same_size(v.shape[r], rows):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
-                              f"{v.shape[r]} is not the chunked size {self.size}")
-            self.meta[id(v)] = ChunkMeta(r)
+                              f"{v.shape[r]} is not the chunked size {rows}")
+            self.meta[id(v)] = ChunkMeta(r, unit=unit if r is not None else Fraction(1))
             self.inputs[id(v)] = v
         if need_sum and dm.mean:
             self.means.append(node)
         scaled = self.scaled(node, inputs)
-        self.meta[id(node.outputs[0])] = ChunkMeta(out_dim, need_sum, scaled)
+        self.meta[id(node.outputs[0])] = ChunkMeta(out_dim, need_sum, scaled, out_unit)
         # outputs after the first (a norm's statistics, a loss's log_prob) follow input 0's dim
-        first = self.meta.get(id(inputs[0]), ChunkMeta()).dim if dm.extra_outputs else None
+        first_meta = self.meta.get(id(inputs[0]), ChunkMeta()) if dm.extra_outputs else ChunkMeta()
+        first = first_meta.dim
         for k, (o, mapping) in enumerate(zip(node.outputs[1:], dm.extra_outputs), start=1):
             dim = None if first is None else next((d for d, i in mapping.items() if i == first), -1)
             if dim == -1:
                 raise Refused(f"{node.op} {node.name} does not carry dim {first} of %{inputs[0].name} to "
                               f"its output {k}")
-            self.meta[id(o)] = ChunkMeta(dim, False, scaled)
+            self.meta[id(o)] = ChunkMeta(dim, False, scaled, first_meta.unit)
 
     def include_reshaped(self, node: Node, kind: str, inputs: list[Value]) -> None:
         """Add `node`, which reads values computed in the shape from before a skipped reshape:
@@ -314,8 +331,18 @@ class _Grower:
                 self.inputs[id(v)] = v
         self.region[id(node)] = node
         out = node.outputs[0]
-        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs))
+        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].unit)
         self.reshaped[id(out)] = like
+
+    def coarsen(self, node: Node, unit: Fraction) -> Fraction:
+        """`unit` for a value a reshape splits or merges the chunk dim of: the slices become
+        whole multiples of the rows it groups (the granule)."""
+        if not is_static(self.size):
+            raise Refused(f"{node.op} {node.name} groups the chunked dim, of the symbolic size {self.size}, "
+                          f"with others: slices of whole groups are built at static sizes only")
+        if unit.denominator != 1 and self.coarsened_by is None:
+            self.coarsened_by = node
+        return unit
 
     def should_pull(self, v: Value) -> bool:
         """Compute `v` inside the region when it is large, or made from a large value."""
@@ -364,6 +391,12 @@ class _Grower:
                           f"{op} {node.name} has no divisor operand")
         if node.op_type == "Where" and len(flags) < 3:
             raise Refused(f"{op} {node.name} has {len(flags)} operand(s), not a condition and two branches")
+        kind = self.kind_or_none(node)
+        if kind == "slice_scatter" and (flags[0] or not _zero(inputs[0])):
+            raise Refused(f"{op} {node.name} writes the incoming gradient into a value other than zeros")
+        if kind == "pad" and (node.attrs.get("mode", "constant") not in ("constant", b"constant") or any(
+                flags[2:]) or (len(inputs) > 2 and not _zero(inputs[2]))):
+            raise Refused(f"{op} {node.name} pads the incoming gradient with something other than zeros")
         if node.op_type == "Where":
             if flags[0] or not all(flags[i] or _zero(inputs[i]) for i in (1, 2)):
                 raise Refused(f"{op} {node.name} selects between the incoming gradient and a nonzero value")
@@ -408,6 +441,11 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count, formula = self.count(action)
+        granule = math.lcm(*(m.unit.denominator for m in self.meta.values() if m.dim is not None))
+        if granule > 1 and self._at_examples(self.size) // granule < 2:
+            raise Refused(f"{self.coarsened_by.op} {self.coarsened_by.name} splits the chunked dim into "
+                          f"groups of {granule} rows, and the {self.size} rows of %{first.name} are "
+                          f"{self._at_examples(self.size) // granule} such group(s): nothing to run slice by slice")
         extent, count_formula = None, None
         if not is_static(self.size) or not is_static(formula):
             if not self.graph.symbolic_slices:
@@ -417,9 +455,10 @@ class _Grower:
             extent, count_formula = self.size, formula
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
-        return ChunkRegion(self.match, nodes, self.meta, inputs, slice_sizes(self._at_examples(self.size), count),
+        return ChunkRegion(self.match, nodes, self.meta, inputs,
+                           slice_sizes(self._at_examples(self.size), count, granule),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
-                           self.means, extent, count_formula, dict(self.reshaped))
+                           self.means, extent, count_formula, dict(self.reshaped), granule)
 
     def _at_examples(self, size: Any) -> int:
         value = evaluate(size, self.examples)
@@ -473,7 +512,8 @@ class _Grower:
                 return late
             for v in cyclic:
                 del self.inputs[id(v)]
-                self.include(v.producer, ChunkMeta(self.meta[id(v)].dim))
+                m = self.meta[id(v)]
+                self.include(v.producer, ChunkMeta(m.dim, unit=m.unit))
 
     def phases(self, nodes: list[Node], late: list[Value]) -> list[ChunkPhase]:
         """One phase, or, with `late` inputs, the forward phase (the nodes that do not read

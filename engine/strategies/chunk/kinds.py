@@ -7,6 +7,7 @@ backend's arguments that way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from ...ir import Node, Value
@@ -17,7 +18,9 @@ CHUNK_KINDS = {
               "contracted dim is summed (transA and transB, as Gemm and FusedMatMul write them, swap an "
               "input's last two dims; Gemm's third input is broadcast to the output)",
     "transpose": "output dim i is input dim perm[i]",
-    "reshape": "a dim is kept where it has the same size after the same number of elements",
+    "reshape": "a dim is kept where it has the same size after the same number of elements; a dim split "
+               "or merged with the dims after it ((batch * seq) -> (batch, seq)) carries the slices in "
+               "whole rows of its leading dim, so the slices become coarser",
     "sum": "a sum over axes: slicing a summed axis gives partial sums",
     "reduce": "a reduction (max, mean) over axes: a reduced axis cannot be sliced",
     "axis": "an op along one axis (softmax): every other dim can be sliced",
@@ -30,6 +33,12 @@ CHUNK_KINDS = {
     "shape": "the shape of its input (ONNX Shape, Size): a slice's shape, computed per slice",
     "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
+    "slice": "a slice of its input along `axes` (ONNX Slice, its starts, ends, axes and steps as "
+             "attributes or constant inputs): the other dims are carried, the sliced ones cannot be",
+    "slice_scatter": "its second input written into a slice (`axes`, `starts`, `ends`) of its first "
+                     "(ATen slice_scatter, the gradient of a slice): dims off the axes are carried",
+    "pad": "pads its input (ONNX Pad, its pads as an attribute or a constant input): the dims it does "
+           "not pad are carried",
     "nll_loss": "a loss over the class dim 1 of its input, picked by a target of the other dims (ONNX "
                 "NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss): those dims are kept (reduction none) "
                 "or summed; a mean runs as a sum in each slice, divided by the total weight of every "
@@ -44,7 +53,7 @@ TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
 MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
-              "nll_loss": 2, "norm": 1}
+              "nll_loss": 2, "norm": 1, "slice_scatter": 2}
 
 
 
@@ -62,6 +71,9 @@ class DimMap:
     mean: bool = False      # the summed dims are averaged: a slice sums, the builder divides once
     # outputs after the first, each as output dim -> dim of input 0 (its statistics, its log_prob)
     extra_outputs: list[dict[int, int]] = field(default_factory=list)
+    # (input, dim) -> (output dim, factor): a reshape's leading dim of a split or merged group,
+    # whose output size is `factor` times the input's ((tokens) -> (batch, seq): 1 / seq)
+    regrouped: dict[tuple[int, int], tuple[int, Fraction]] = field(default_factory=dict)
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -88,6 +100,25 @@ def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
         if axes is None:
             raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
     return axes
+
+
+def _slice_axes(node: Node, inputs: list[Value], rank: int, first: int | None) -> set[int]:
+    """The axes a slice works along: the `axes` attribute, or ONNX Slice's constant input
+    `first` (absent: the first len(starts) dims)."""
+    axes = _int_list(_param(node, "axes"))
+    if axes is None and first is not None:
+        if len(inputs) > first:
+            axes = inputs[first].ints
+            if axes is None:
+                raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
+        else:
+            starts = _int_list(_param(node, "starts")) or (inputs[1].ints if len(inputs) > 1 else None)
+            if starts is None:
+                raise Refused(f"{node.op} {node.name}: its starts are computed, not constant")
+            axes = list(range(len(starts)))
+    if axes is None:
+        raise Refused(f"{node.op} {node.name} names no axes")
+    return {norm_dim(a, rank) for a in axes}
 
 
 def rank_of(v: Value) -> int:
@@ -126,6 +157,33 @@ def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
                 break
         before_in = before_in * d
     return mapping
+
+
+def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Fraction]]:
+    """Input dim -> (output dim, output size / input size) for the dims a reshape splits or
+    merges as the leading dim of a group: the same number of elements before them, and the
+    group's sizes multiply to the same number ((8192,) -> (16, 512): dim 0 -> dim 0, 1/512;
+    (16, 511) -> (8176,): dim 0 -> dim 0, 511). Static sizes only."""
+    if not all(isinstance(d, int) for d in (*src, *out)):
+        return {}
+    prefix_out = [1]
+    for d in out:
+        prefix_out.append(prefix_out[-1] * d)
+    prefix_in = [1]
+    for d in src:
+        prefix_in.append(prefix_in[-1] * d)
+    found = {}
+    for i, d in enumerate(src):
+        if d <= 1:
+            continue
+        for o, d_out in enumerate(out):
+            if prefix_out[o] == prefix_in[i] and d_out > 1 and d_out != d:
+                # dim i splits into dims o.. (its end is an end of an output dim), or dims i..
+                # merge into dim o (its end is an end of an input dim)
+                if prefix_in[i + 1] in prefix_out[o + 1:] or prefix_out[o + 1] in prefix_in[i + 1:]:
+                    found[i] = (o, Fraction(d_out, d))
+                break
+    return found
 
 
 def _broadcast(v: Value, out: Value, dims: int) -> dict[int, int]:
@@ -191,7 +249,24 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
             perm = [1, 0]
         return DimMap([{o: norm_dim(p, rank) for o, p in enumerate(perm)}])
     if kind == "reshape":
-        return DimMap([reshape_map(_shape(inputs[0]), out.shape)])
+        src = _shape(inputs[0])
+        return DimMap([reshape_map(src, out.shape)],
+                      regrouped={(0, i): g for i, g in regrouped_dims(src, out.shape).items()})
+    if kind == "slice":
+        axes = _slice_axes(node, inputs, rank, first=3)
+        return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes})
+    if kind == "pad":
+        pads = _int_list(_param(node, "pads")) or (inputs[1].ints if len(inputs) > 1 else None)
+        axes = inputs[3].ints if len(inputs) > 3 else list(range(rank))
+        if pads is None or axes is None:
+            raise Refused(f"{node.op} {node.name}: its pads are computed, not constant")
+        axes = [norm_dim(a, rank) for a in axes]
+        padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
+        return DimMap([{o: o for o in range(rank) if o not in padded}], blocked={(0, a) for a in padded})
+    if kind == "slice_scatter":
+        axes = _slice_axes(node, inputs, rank, first=None)
+        kept = {o: o for o in range(rank) if o not in axes}
+        return DimMap([kept, dict(kept)], blocked={(i, a) for a in axes for i in (0, 1)})
     if kind in ("sum", "reduce", "axis"):
         src = inputs[0]
         r = rank_of(src)

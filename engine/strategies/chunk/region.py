@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import sympy
@@ -14,13 +15,15 @@ from ...shapes import simplify
 from .kinds import Refused
 
 
-def slice_sizes(size: Any, count: int) -> list[int]:
-    """`size` rows in `count` slices: equal ones and a smaller last one."""
+def slice_sizes(size: Any, count: int, granule: int = 1) -> list[int]:
+    """`size` rows in `count` slices of whole multiples of `granule` rows: equal ones and a
+    smaller last one (fewer slices when there are fewer granules)."""
     try:
         n = int(size)
     except TypeError:
         raise Refused(f"the chunked dim has the symbolic size {size}") from None
-    step = math.ceil(n / min(count, n))
+    units = n // granule
+    step = math.ceil(units / min(count, units)) * granule
     return [min(step, n - start) for start in range(0, n, step)]
 
 
@@ -29,6 +32,20 @@ class ChunkMeta:
     dim: int | None = None       # sliced along this dim: the chunks are concatenated
     need_sum: bool = False       # a partial sum: the chunks are added
     scaled: bool = False         # computed with the incoming gradient as one: multiply once at the end
+    # rows of `dim` per row of the chunked value: rows [a, b) of the chunked value are rows
+    # [a * unit, b * unit) of this one (a reshape from (tokens, vocab) to (batch, seq, vocab)
+    # gives 1 / seq; the region's slices are then whole multiples of seq rows, ChunkRegion.granule)
+    unit: Fraction = Fraction(1)
+
+    def rows(self, size: Any) -> Any:
+        """This value's rows for `size` rows of the chunked value (a formula when dynamic: then
+        the unit is 1)."""
+        if self.unit == 1:
+            return size
+        rows = Fraction(int(size)) * self.unit
+        if rows.denominator != 1:
+            raise RuntimeError(f"remat bug: {size} rows are not whole rows of a value with unit {self.unit}")
+        return int(rows)
 
 
 @dataclass
@@ -64,6 +81,9 @@ class ChunkRegion:
     # value id -> the value whose shape it has inside the slices: after a skipped reshape (elided),
     # the region computes in the shape from before it (grow.py, _Grower.include_reshaped)
     reshaped: dict[int, Value] = field(default_factory=dict)
+    # the slices are whole multiples of this many rows (the least common multiple of the
+    # denominators of the region values' units): a slice ends on a whole batch row
+    granule: int = 1
 
     @property
     def slice_size(self) -> Any:
@@ -72,9 +92,17 @@ class ChunkRegion:
             return max(self.chunks)
         return simplify(sympy.ceiling(self.extent / sympy.Max(self.count, 1)))
 
+    def sizes_for(self, count: int) -> list[int]:
+        """The slices' sizes in `count` slices (at the example sizes)."""
+        return slice_sizes(sum(self.chunks), count, self.granule)
+
+    @property
+    def most_slices(self) -> int:
+        return sum(self.chunks) // self.granule
+
     def reslice(self, count: int) -> None:
         """Run the region in `count` slices instead (the budget planner's choice)."""
-        self.chunks = slice_sizes(sum(self.chunks), count)
+        self.chunks = self.sizes_for(count)
         if self.extent is not None:
             self.count = count
 
