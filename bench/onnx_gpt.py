@@ -14,7 +14,7 @@ to measure, one thread):
 
 Prints a table, then the remat/original peak ratio last.
 
-    python bench/onnx_gpt.py [--vocab 4096 --batch 8 --layers 4 --d-model 256 --seq 512]
+    python bench/onnx_gpt.py [--vocab 4096 --batch 8 --layers 4 --d-model 256 --seq 512] [--label-shift]
 """
 from __future__ import annotations
 
@@ -47,9 +47,11 @@ def main() -> None:
                           ("seq", 512)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--label-shift", action="store_true",
+                    help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
     args = ap.parse_args()
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                    seq=args.seq, batch=args.batch)
+                    seq=args.seq, batch=args.batch, label_shift=args.label_shift)
     tmp = Path(tempfile.mkdtemp(prefix="remat-bench-"))
     path, grad_error = export_gpt(cfg, tmp / "gpt.onnx")
     feeds = dict(np.load(path.with_suffix(".inputs.npz")))

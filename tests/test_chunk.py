@@ -269,6 +269,27 @@ def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batc
         assert relative_error(got, want) <= 1e-4
 
 
+@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(2, 5), seq=st.integers(5, 20), count=st.integers(2, 6),
+       drop=st.sampled_from(["last", "first"]))
+def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_compiles, tmp_path_factory, batch,
+                                                                        seq, count, drop):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ShiftHead(8, 96, drop)
+    inputs = _softcap_inputs(batch, seq, 8, 96)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("shift"), count))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
+    assert len(region.chunks) == len(range(0, batch, -(-batch // min(count, batch))))
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 def test_a_label_shift_of_one_sequence_is_refused_with_the_reason():
     """Batch 1: (tokens, vocab) -> (1, seq, vocab) keeps the tokens as the sequence, which the
     shift slices: refused, naming the slice, not built wrong (slices that end one row short
