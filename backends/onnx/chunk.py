@@ -105,11 +105,12 @@ def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
             _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1)]
 
 
-def _sliced_shape(v: Value, dim: int | None, size: int) -> tuple | None:
-    if v.shape is None or dim is None:
+def _sliced_shape(v: Value, meta: ChunkMeta, size: Dim) -> tuple | None:
+    """`v`'s shape in a slice of `size` rows of the chunked value (its own rows: ChunkMeta.rows)."""
+    if v.shape is None or meta.dim is None:
         return v.shape
     shape = list(v.shape)
-    shape[dim] = size
+    shape[meta.dim] = meta.rows(size)
     return tuple(shape)
 
 
@@ -249,7 +250,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
             continue
         axis = g.const("slice_axis", np.array([m.dim % _rank(v)], np.int64))
         env[id(v)] = g.add("Slice", [v, rows(start, m.unit), rows(end, m.unit), axis], f"{v.name}_slice", v.dtype,
-                           _sliced_shape(v, m.dim, m.rows(run.size_dim)))
+                           _sliced_shape(v, m, run.size_dim))
     elided = {id(n) for n in region.elided}
     for node in phase.nodes:
         if id(node) in elided:
@@ -261,8 +262,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
             inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, size)
         outs = [Value(names(f"{o.name}_slice"), o.dtype,
-                      _sliced_shape(region.shaped_like(o), region.meta_of(o).dim,
-                                    region.meta_of(o).rows(run.size_dim)))
+                      _sliced_shape(region.shaped_like(o), region.meta_of(o), run.size_dim))
                 for o in node.outputs]
         attrs = dict(node.attrs)
         written = outs
@@ -358,8 +358,8 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
-                         (run.count_dim, *_sliced_shape(o, dim, region.meta_of(o).rows(run.size_dim))))
-                   for o, dim in zip(scans, scan_dims)]
+                         (run.count_dim, *_sliced_shape(o, region.meta_of(o), run.size_dim)))
+                   for o in scans]
         trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}))
@@ -392,12 +392,12 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
 def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: ChunkMeta) -> Value:
     """(count, ..., size, ...) -> (..., count * size, ...): the slices side by side along `dim`."""
     rank = len(like.shape)
-    shape = _sliced_shape(like, dim, meta.rows(run.size_dim))
+    shape = _sliced_shape(like, meta, run.size_dim)
     if dim:
         perm = [*range(1, dim + 1), 0, *range(dim + 1, rank + 1)]
         shape = (*shape[:dim], run.count_dim, *shape[dim:])
         stacked = g.add("Transpose", [stacked], f"{like.name}_gathered", like.dtype, shape, {"perm": perm})
-    merged = _sliced_shape(like, dim, meta.rows(simplify(run.count_dim * run.size_dim)))
+    merged = _sliced_shape(like, meta, simplify(run.count_dim * run.size_dim))
     if run.static and all(isinstance(d, int) for d in merged):
         target = g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))
     else:           # the dims around the slices' two, read from the stacked value itself

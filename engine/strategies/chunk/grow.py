@@ -157,7 +157,6 @@ class _Grower:
         self.inputs: dict[int, Value] = {}
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
-        self.coarsened_by: Node | None = None   # the first reshape that made the slices coarser
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.index.tangent_ids
@@ -237,7 +236,11 @@ class _Grower:
                 got_dim, got_sum = o, False
             elif (i, m.dim) in dm.regrouped:
                 got_dim, factor = dm.regrouped[(i, m.dim)]
-                got_sum, got_unit = False, self.coarsen(node, m.unit * factor)
+                got_sum, got_unit = False, m.unit * factor
+                if not is_static(self.size):
+                    raise Refused(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
+                                  f"{self.size}, with others: slices of whole groups are built at static "
+                                  f"sizes only")
             elif any((i, m.dim) in group for group in dm.summed):
                 got_dim, got_sum = None, True
             elif (i, m.dim) in dm.blocked:
@@ -282,11 +285,11 @@ class _Grower:
                 continue
             if r is not None and (v.shape is None or r >= len(v.shape)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
-            rows = ChunkMeta(r, unit=unit).rows(self.size) if r is not None else None
-            if r is not None and not same_size(v.shape[r], rows):
+            meta = ChunkMeta(r, unit=unit if r is not None else Fraction(1))
+            if r is not None and not same_size(v.shape[r], meta.rows(self.size)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
-                              f"{v.shape[r]} is not the chunked size {rows}")
-            self.meta[id(v)] = ChunkMeta(r, unit=unit if r is not None else Fraction(1))
+                              f"{v.shape[r]} is not the chunked size {meta.rows(self.size)}")
+            self.meta[id(v)] = meta
             self.inputs[id(v)] = v
         if need_sum and dm.mean:
             self.means.append(node)
@@ -333,16 +336,6 @@ class _Grower:
         out = node.outputs[0]
         self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].unit)
         self.reshaped[id(out)] = like
-
-    def coarsen(self, node: Node, unit: Fraction) -> Fraction:
-        """`unit` for a value a reshape splits or merges the chunk dim of: the slices become
-        whole multiples of the rows it groups (the granule)."""
-        if not is_static(self.size):
-            raise Refused(f"{node.op} {node.name} groups the chunked dim, of the symbolic size {self.size}, "
-                          f"with others: slices of whole groups are built at static sizes only")
-        if unit.denominator != 1 and self.coarsened_by is None:
-            self.coarsened_by = node
-        return unit
 
     def should_pull(self, v: Value) -> bool:
         """Compute `v` inside the region when it is large, or made from a large value."""
@@ -443,7 +436,8 @@ class _Grower:
         count, formula = self.count(action)
         granule = math.lcm(*(m.unit.denominator for m in self.meta.values() if m.dim is not None))
         if granule > 1 and self._at_examples(self.size) // granule < 2:
-            raise Refused(f"{self.coarsened_by.op} {self.coarsened_by.name} splits the chunked dim into "
+            coarse = next(n for n in nodes if self.meta[id(n.outputs[0])].unit.denominator != 1)
+            raise Refused(f"{coarse.op} {coarse.name} splits the chunked dim into "
                           f"groups of {granule} rows, and the {self.size} rows of %{first.name} are "
                           f"{self._at_examples(self.size) // granule} such group(s): nothing to run slice by slice")
         extent, count_formula = None, None

@@ -143,19 +143,24 @@ def _shape(v: Value) -> tuple:
     return v.shape
 
 
+def _prefix_products(shape: tuple) -> list:
+    """The number of elements before each dim of `shape`, then the total."""
+    prefix = [1]
+    for d in shape:
+        prefix.append(prefix[-1] * d)
+    return prefix
+
+
 def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
     """Output dim -> input dim, for the dims a reshape keeps: same size, same number of
     elements before them."""
-    mapping, before_in = {}, 1
-    prefix_out = [1]
-    for d in out:
-        prefix_out.append(prefix_out[-1] * d)
+    mapping = {}
+    prefix_in, prefix_out = _prefix_products(src), _prefix_products(out)
     for i, d in enumerate(src):
         for o, d_out in enumerate(out):
-            if same_size(prefix_out[o], before_in) and same_size(d_out, d):
+            if same_size(prefix_out[o], prefix_in[i]) and same_size(d_out, d):
                 mapping[o] = i
                 break
-        before_in = before_in * d
     return mapping
 
 
@@ -166,12 +171,7 @@ def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Fraction]]:
     (16, 511) -> (8176,): dim 0 -> dim 0, 511). Static sizes only."""
     if not all(isinstance(d, int) for d in (*src, *out)):
         return {}
-    prefix_out = [1]
-    for d in out:
-        prefix_out.append(prefix_out[-1] * d)
-    prefix_in = [1]
-    for d in src:
-        prefix_in.append(prefix_in[-1] * d)
+    prefix_in, prefix_out = _prefix_products(src), _prefix_products(out)
     found = {}
     for i, d in enumerate(src):
         if d <= 1:
