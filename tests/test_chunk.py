@@ -134,6 +134,8 @@ class HeadThen(nn.Module):
 @pytest.mark.parametrize("then, message", [
     (lambda y: y.cumsum(0), "aten::cumsum cumsum is not declared chunkable"),
     (lambda y: y.amax(0), "works along dim 0"),
+    (lambda y: y[::2], "Slice slice_1 works along dim 0"),
+    (lambda y: y[1:] * y[:-1], "sliced in different rows (rows [1:] of the chunked value against rows [:-1]"),
 ])
 def test_a_region_that_cannot_be_sliced_is_refused_with_the_op_named(then, message):
     rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
@@ -269,9 +271,10 @@ def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batc
         assert relative_error(got, want) <= 1e-4
 
 
-@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.integers(2, 5), seq=st.integers(5, 20), count=st.integers(2, 6),
+@settings(max_examples=5, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 5), seq=st.integers(5, 20), count=st.integers(2, 6),
        drop=st.sampled_from(["last", "first"]))
+@example(batch=1, seq=7, count=6, drop="last")
 def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_compiles, tmp_path_factory, batch,
                                                                         seq, count, drop):
     torch._dynamo.reset()
@@ -283,22 +286,75 @@ def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_comp
     loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
     assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
     [region] = remat.remat_pass.chunk_results[0].chunks
-    assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
-    assert len(region.chunks) == len(range(0, batch, -(-batch // min(count, batch))))
+    if batch == 1:      # the sequence itself is sliced, the last (or first) slice a row short
+        assert region.granule == 1 and region.edges == ((0, 1) if drop == "last" else (1, 0))
+        assert sum(region.chunks) == seq and min(region.chunks) >= 1 + (drop == "last")
+    else:               # whole batch rows
+        assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
+        assert len(region.chunks) == len(range(0, batch, -(-batch // min(count, batch))))
     assert relative_error(loss, want_loss) <= 1e-4
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) <= 1e-4
 
 
-def test_a_label_shift_of_one_sequence_is_refused_with_the_reason():
-    """Batch 1: (tokens, vocab) -> (1, seq, vocab) keeps the tokens as the sequence, which the
-    shift slices: refused, naming the slice, not built wrong (slices that end one row short
-    are not built)."""
-    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
-    planning = plan(_joint(ShiftHead(16, 300), _softcap_inputs(1, 24, 16, 300)), rules)
-    assert not planning.plans
-    [refusal] = planning.refusals
-    assert "Slice slice_1 works along dim 1" in str(refusal.reason), refusal.reason
+@pytest.mark.parametrize("drop, edges", [("last", (0, 1)), ("first", (1, 0))])
+def test_a_label_shift_of_one_sequence_runs_a_row_short_at_its_edge(fresh_compiles, tmp_path, drop, edges):
+    """Batch 1: the tokens are the sequence the shift slices, so the loss's rows are the chunked
+    rows [:-1] (or [1:]): every slice holds its share, the last (or first) a row less, which
+    its own body drops (and its gradient's pad or slice_scatter adds back as zeros)."""
+    torch.manual_seed(0)
+    model = ShiftHead(16, 300, drop)
+    inputs = _softcap_inputs(1, 24, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    compiled = torch.compile(model, backend=remat)
+    loss, grads = _step(model, compiled, inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.chunks == [6, 6, 6, 6] and region.granule == 1 and region.edges == edges
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+class SliceThen(nn.Module):
+    """A projection whose output rows are sliced `[lead:-tail]` along the chunked dim before an
+    elementwise step and a sum: slices along the chunk dim inside a region, forward and back."""
+
+    def __init__(self, lead: int, tail: int):
+        super().__init__()
+        self.head = nn.Linear(8, 256, bias=False)
+        self.lead, self.tail = lead, tail
+
+    def forward(self, x):
+        y = self.head(x)
+        return torch.exp(y[self.lead:y.shape[0] - self.tail] * 0.1).sum()
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(12, 40), lead=st.integers(0, 4), tail=st.integers(0, 4), count=st.integers(2, 12))
+@example(tokens=24, lead=0, tail=1, count=24)
+def test_slices_along_the_chunk_dim_give_every_slice_its_rows(fresh_compiles, tmp_path_factory, tokens, lead,
+                                                               tail, count):
+    """The rows a slice keeps fall in the chunk's slices, the first `lead` rows fewer and the last
+    `tail` fewer: slices too short to hold any are merged into their neighbour (the example:
+    24 slices of one row, the last merged), and the numbers are eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SliceThen(lead, tail)
+    inputs = (torch.randn(tokens, 8),)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("slice"), count))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.edges == (lead, tail) and sum(region.chunks) == tokens
+    step = -(-tokens // min(count, tokens))
+    assert region.chunks[0] > lead and region.chunks[-1] > tail and len(region.chunks) >= 2
+    assert region.chunks[0] >= step and set(region.chunks[1:-1]) <= {step}
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
 
 
 # Elementwise steps on (batch, seq, vocab) logits between the head's reshape and the loss's: the

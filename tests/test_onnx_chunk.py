@@ -15,8 +15,8 @@ from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
-from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, Attention, ChainHead, Head,  # noqa: E402
-                        ShiftHead, SoftcapHead, _inputs, _softcap_inputs)
+from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, Attention, ChainHead, Head, HeadThen,  # noqa: E402
+                        ShiftHead, SliceThen, SoftcapHead, _inputs, _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
@@ -74,19 +74,51 @@ def test_a_softcap_between_the_reshapes_runs_in_the_loop(bias):
 
 @pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
 @pytest.mark.parametrize("drop", ["last", "first"])
-def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop):
-    """As on torch (test_chunk.py): the Loop's slices are whole batch rows. The slice's gradient
-    is exported as a Pad (torch_export._slice_backward), its bounds as constants the importer
-    reads through torch.onnx's casts and reshapes."""
+@pytest.mark.parametrize("batch", [4, 1])
+def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop, batch):
+    """As on torch (test_chunk.py): the Loop's slices are whole batch rows; with batch 1 they
+    are slices of the sequence, and the first or last runs in a Loop of its own, whose body
+    slices a row less (and pads its gradient with a zero row). The slice's gradient is exported
+    as a Pad (torch_export._slice_backward), its bounds as constants the importer reads through
+    torch.onnx's casts and reshapes."""
     torch.manual_seed(0)
     model = ShiftHead(16, 300, drop)
-    exported = export_training_step(model, _softcap_inputs(4, 24, 16, 300), exporter=exporter)
+    exported = export_training_step(model, _softcap_inputs(batch, 24, 16, 300), exporter=exporter)
     rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
-    assert _largest_outside_loops(rewrite.graph) <= 24 * 300
+    [region] = rewrite.chunk_result.chunks
+    if batch == 1:
+        assert region.edges == ((0, 1) if drop == "last" else (1, 0)) and region.chunks == [6] * 4
+        assert [n.op for n in rewrite.graph.nodes].count("Loop") == 2
+    assert _largest_outside_loops(rewrite.graph) <= max(16, 6 * batch) * 300
     outputs = run(export_model(rewrite.graph), exported.feeds)
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
+
+
+@settings(max_examples=6, deadline=None)
+@given(tokens=st.integers(12, 40), lead=st.integers(0, 4), tail=st.integers(0, 4), count=st.integers(2, 12))
+def test_slices_along_the_chunk_dim_run_in_loops_of_their_own_class(tokens, lead, tail, count):
+    """As on torch (test_chunk.py): the rows `[lead:-tail]` keeps fall in the Loops' slices; the
+    first and last slices, which hold fewer of them, run in Loops of their own."""
+    torch.manual_seed(0)
+    exported, rewrite, outputs = _chunked(SliceThen(lead, tail), (torch.randn(tokens, 8),), CHUNK_RULE, count)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    assert region.edges == (lead, tail) and region.chunks[0] > lead and region.chunks[-1] > tail
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+def test_a_pad_along_the_chunk_dim_is_refused_with_the_op_named():
+    """Padding adds rows the chunked value does not have: no slice of it holds them."""
+    import torch.nn.functional as F
+
+    exported = export_training_step(HeadThen(lambda y: F.pad(y, (0, 0, 1, 0))), (torch.randn(32, 8),))
+    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    assert rewrite.chunked == 0
+    [refusal] = rewrite.chunk_result.planning.refusals
+    assert "Pad" in str(refusal.reason) and "beyond the chunked value's" in str(refusal.reason), refusal.reason
 
 
 @settings(max_examples=4, deadline=None)

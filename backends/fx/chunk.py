@@ -20,7 +20,7 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
-from engine.strategies.chunk import ChunkRegion
+from engine.strategies.chunk import ChunkRegion, inner_bounds
 
 aten = torch.ops.aten
 
@@ -28,6 +28,41 @@ aten = torch.ops.aten
 _SHAPE_ARG = {aten.full.default: 0, aten.view.default: 1, aten._unsafe_view.default: 1,
               aten.reshape.default: 1, aten.expand.default: 1, aten.zeros.default: 0,
               aten.ones.default: 0, aten.empty.memory_format: 0}
+
+
+# Slices along the chunk dim (the label shift of one sequence, `logits[:-1]`) and the gradient's
+# slice_scatter: (the input whose slice holds the rows the bounds pick from, the one whose rows
+# they pick); the bounds (dim, start, end, step) follow at argument 1 or 2.
+_SLICE_BOUNDS = {aten.slice.Tensor: (0, None, 1), aten.slice_scatter.default: (None, 1, 2)}
+
+
+def _along_chunk_dim(node: fx.Node, meta_of: dict) -> bool:
+    """Whether a slice (or slice_scatter) works along the chunk dim of the value it slices."""
+    m = meta_of.get(node.args[0])
+    return m is not None and m.dim is not None and _slice_dim(node) == m.dim
+
+
+def _slice_dim(node: fx.Node) -> int:
+    _, _, at = _SLICE_BOUNDS[node.target]
+    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    return dim % node.args[0].meta["val"].dim()
+
+
+def _with_bounds(node: fx.Node, meta_of: dict, start: int, end: int, total: int,
+                 env: dict[fx.Node, fx.Node], graph: fx.Graph) -> fx.Node:
+    """Copy a slice along the chunk dim into the body of the slice [start, end): its bounds are
+    where, in that slice, the rows of its output (a slice_scatter: of the value it writes) lie
+    among the rows of its input (a slice_scatter: of its output) (engine inner_bounds)."""
+    outer_arg, inner_arg, at = _SLICE_BOUNDS[node.target]
+    outer = meta_of[node.args[outer_arg]] if outer_arg is not None else meta_of[node]
+    inner = meta_of[node.args[inner_arg]] if inner_arg is not None else meta_of[node]
+    copy = graph.node_copy(node, lambda x: env[x])
+    if not (outer.rows.shifted or inner.rows.shifted):
+        return copy         # it keeps every row (x[0:n]): its bounds hold for any slice
+    lo, hi = inner_bounds(outer.rows, inner.rows, start, end, total)
+    copy.args = (*copy.args[:at], _slice_dim(node), lo, hi, 1)
+    copy.kwargs = {}
+    return copy
 
 
 def _fx(node_name: str, by_name: dict[str, fx.Node]) -> fx.Node:
@@ -52,8 +87,8 @@ def _with_size(node: fx.Node, dim: int, size: int, env: dict[fx.Node, fx.Node], 
     return copy
 
 
-def _fake_slice(t: torch.Tensor, meta, size: int) -> torch.Tensor:
-    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, 0, meta.rows(size))
+def _fake_slice(t: torch.Tensor, meta, start: int, end: int, total: int) -> torch.Tensor:
+    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *meta.span(start, end, total))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -75,12 +110,18 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
         outputs = [_fx(v.name, by_name) for v in phase.outputs]
         output_meta = [region.meta_of(v) for v in phase.outputs]
         recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
-        # The subgraphs first: a region that cannot be built raises before the graph is touched.
-        built = {size: _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size)
-                 for size in sorted(set(region.chunks))}
+        # The subgraphs first, one per class of slice (its size; the first or last where the
+        # region's values start in or end short, Rows): a region that cannot be built raises
+        # before the graph is touched.
+        total = sum(region.chunks)
+        built = {}
+        for start, end in region.slices():
+            key = region.slice_class(start, end)
+            if key not in built:
+                built[key] = _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start, end, total)
         phases.append((body, inputs, input_meta, outputs, output_meta, recomputed, built))
     for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
-        subgraphs = {size: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (size, sub) in enumerate(built.items())}
+        subgraphs = {key: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (key, sub) in enumerate(built.items())}
         _rewire(graph, region, inputs, input_meta, outputs, output_meta, body, recomputed, in_region,
                 subgraphs)
     graph.lint()
@@ -128,7 +169,7 @@ def _body_key(sub: fx.GraphModule) -> str:
 
 def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list,
             outputs: list[fx.Node], output_meta: list, body: list[fx.Node], recomputed: set[fx.Node],
-            in_region: set[fx.Node], subgraphs: dict[int, str]) -> None:
+            in_region: set[fx.Node], subgraphs: dict[tuple, str]) -> None:
     """Call the subgraphs once per slice in place of `body`, and send the region's readers
     (never its other phase) to the combined outputs."""
     rank = {n: i for i, n in enumerate(graph.nodes)}
@@ -146,13 +187,13 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
         sums = {k: _full(graph, o, 0.0) for k, (o, m) in enumerate(zip(outputs, output_meta)) if m.need_sum}
-        start = 0
-        for size in region.chunks:
+        total = sum(region.chunks)
+        for start, end in region.slices():
             args = []
             for x, m in zip(operands, input_meta):
                 args.append(x if m.dim is None else graph.call_function(
-                    aten.slice.Tensor, (x, m.dim, m.rows(start), m.rows(start + size))))
-            attr = subgraphs[size]
+                    aten.slice.Tensor, (x, m.dim, *m.span(start, end, total))))
+            attr = subgraphs[region.slice_class(start, end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sums.values()))
             for k, m in enumerate(output_meta):
@@ -161,7 +202,6 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     sums[k] = item
                 else:
                     pieces[k].append(item)
-            start += size
 
         for k, (orig, m) in enumerate(zip(outputs, output_meta)):
             whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
@@ -225,12 +265,16 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
         output.prepend(n)
 
 
-def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> fx.GraphModule:
+def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start: int, end: int,
+           total: int) -> fx.GraphModule:
+    """The body of the slice [start, end) of the `total` rows of the chunked value (and of every
+    slice of its class, ChunkRegion.slice_class)."""
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    meta_of = dict(zip(inputs, input_meta)) | meta_by_fx
     for x, m in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
-        p.meta["val"] = _fake_slice(x.meta["val"], m, size)
+        p.meta["val"] = _fake_slice(x.meta["val"], m, start, end, total)
         env[x] = p
     sliced = {x for x, m in zip(inputs, input_meta) if m.dim is not None}
     for fx_node in body:
@@ -242,10 +286,16 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, size: int) -> 
         elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
             # Its output shape is written in its arguments (a view's target, the zeros a loss
             # gradient scatters into): the slice's size goes there.
-            env[fx_node] = _with_size(fx_node, m.dim, m.rows(size), env, sub)
+            env[fx_node] = _with_size(fx_node, m.dim, m.length(start, end, total), env, sub)
+        elif fx_node.target in _SLICE_BOUNDS and _along_chunk_dim(fx_node, meta_of):
+            env[fx_node] = _with_bounds(fx_node, meta_of, start, end, total, env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
-    results = [env[o] for o in outputs]
+    # A slice along the chunk dim is a view into the body's own buffer at an offset: Inductor
+    # returns such a subgraph output wrong (garbage rows; torch 2.13), so it leaves as a copy, a
+    # slice_copy (Inductor's remove_noop_ops drops a clone of it: same size and strides).
+    results = [sub.call_function(aten.slice_copy.Tensor, env[o].args) if o.target is aten.slice.Tensor
+               and _along_chunk_dim(o, meta_of) else env[o] for o in outputs]
     for k, o in enumerate(outputs):       # partial sums accumulate inside: one buffer, not one per slice
         if meta_by_fx[o].need_sum:
             acc = sub.placeholder(f"{o.name}_sum")

@@ -30,7 +30,7 @@ from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.shapes import Dim, simplify
-from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion
+from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, inner_bounds
 
 from .formulas import DimEmitter
 
@@ -82,10 +82,18 @@ class _Run:
     offset: int | Value
     size_dim: Dim
     count_dim: Dim
+    total: int | None = None    # the chunked value's rows, in a static region
 
     @property
     def static(self) -> bool:
         return isinstance(self.size, int) and isinstance(self.count, int)
+
+    def rows(self, meta: ChunkMeta) -> Dim:
+        """A value's rows in each slice of the run (its first slice's: a run is slices of one
+        class, ChunkRegion.slice_class, so all have the same)."""
+        if meta.rows.shifted:
+            return meta.length(self.offset, self.offset + self.size, self.total)
+        return meta.rows.scale(self.size_dim)
 
 
 def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
@@ -93,7 +101,7 @@ def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
     computed from the graph's shapes (at least one), then one more of what is left, which may be
     empty (every shape stays the same from slice to slice, as a Loop's scan outputs must)."""
     if region.extent is None:
-        return [_Run(size, count, offset, size, count) for size, count, offset in _groups(region.chunks)]
+        return [_Run(size, count, offset, size, count, sum(region.chunks)) for size, count, offset in _groups(region)]
     dims = DimEmitter(graph, g.add, g.const)
     extent, size_dim = region.extent, region.slice_size
     n, size = dims.emit(extent), dims.emit(size_dim)
@@ -105,12 +113,12 @@ def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
             _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1)]
 
 
-def _sliced_shape(v: Value, meta: ChunkMeta, size: Dim) -> tuple | None:
-    """`v`'s shape in a slice of `size` rows of the chunked value (its own rows: ChunkMeta.rows)."""
+def _sliced_shape(v: Value, meta: ChunkMeta, run: _Run, slices: Dim = 1) -> tuple | None:
+    """`v`'s shape in a slice of `run` (`slices` of them side by side)."""
     if v.shape is None or meta.dim is None:
         return v.shape
     shape = list(v.shape)
-    shape[meta.dim] = meta.rows(size)
+    shape[meta.dim] = simplify(slices * run.rows(meta)) if slices != 1 else run.rows(meta)
     return tuple(shape)
 
 
@@ -244,13 +252,24 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         return g.add("Div", [scaled, g.const("unit_per", np.array([unit.denominator], np.int64))],
                      f"{x.name}_rows", DType.INT64, (1,))
 
+    def span(m: ChunkMeta) -> tuple[Value, Value]:
+        """The value's own rows of the slice [start, end) (Rows.span), computed in the body."""
+        if not m.rows.shifted:
+            return rows(start, m.unit), rows(end, m.unit)
+        lead = g.const("lead_rows", np.array([m.rows.lead], np.int64))
+        lo = g.add("Max", [g.add("Sub", [start, lead], "shifted_start", DType.INT64, (1,)),
+                           g.const("zero", np.array([0], np.int64))], "own_start", DType.INT64, (1,))
+        last = g.const("own_end", np.array([run.total - m.rows.tail], np.int64))
+        hi = g.add("Sub", [g.add("Min", [end, last], "kept_end", DType.INT64, (1,)), lead], "own_end",
+                   DType.INT64, (1,))
+        return lo, hi
+
     for v in phase.inputs:
         m = region.meta_of(v)
         if m.dim is None:
             continue
         axis = g.const("slice_axis", np.array([m.dim % _rank(v)], np.int64))
-        env[id(v)] = g.add("Slice", [v, rows(start, m.unit), rows(end, m.unit), axis], f"{v.name}_slice", v.dtype,
-                           _sliced_shape(v, m, run.size_dim))
+        env[id(v)] = g.add("Slice", [v, *span(m), axis], f"{v.name}_slice", v.dtype, _sliced_shape(v, m, run))
     elided = {id(n) for n in region.elided}
     for node in phase.nodes:
         if id(node) in elided:
@@ -261,10 +280,11 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
             inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, size)
-        outs = [Value(names(f"{o.name}_slice"), o.dtype,
-                      _sliced_shape(region.shaped_like(o), region.meta_of(o), run.size_dim))
-                for o in node.outputs]
         attrs = dict(node.attrs)
+        if node.op in _SHIFTS and m.dim is not None:
+            _SHIFTS[node.op](g, node, region, run, inputs, attrs)
+        outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(region.shaped_like(o), region.meta_of(o), run))
+                for o in node.outputs]
         written = outs
         if id(node) in divisors:
             attrs["reduction"] = "sum"
@@ -297,7 +317,7 @@ def _resized_shape(g: _Graph, node: Node, shape: Value, meta: ChunkMeta, run: _R
         if ints[dim] == -1:
             return shape
         if isinstance(run.size, int):
-            ints[dim] = meta.rows(run.size)
+            ints[dim] = run.rows(meta)
             return g.const(f"{shape.name}_slice", np.array(ints, np.int64))
         parts = [g.const(f"{shape.name}_head", np.array(ints[:dim], np.int64)), size,
                  g.const(f"{shape.name}_tail", np.array(ints[dim + 1:], np.int64))]
@@ -316,16 +336,87 @@ def _resized_shape(g: _Graph, node: Node, shape: Value, meta: ChunkMeta, run: _R
     return g.add("Concat", parts, f"{shape.name}_slice", DType.INT64, shape.shape, {"axis": 0})
 
 
-def _groups(chunks: list[int]) -> list[tuple[int, int, int]]:
-    """(size, count, offset) for each run of equal slice sizes."""
-    groups, offset = [], 0
-    for size in chunks:
-        if groups and groups[-1][0] == size:
-            groups[-1] = (size, groups[-1][1] + 1, groups[-1][2])
+def _groups(region: ChunkRegion) -> list[tuple[int, int, int]]:
+    """(size, count, offset) for each run of slices of one class (ChunkRegion.slice_class: one
+    size; the first and last slices apart where a value starts in or ends short there)."""
+    groups, last = [], None
+    for start, end in region.slices():
+        key = region.slice_class(start, end)
+        if groups and key == last:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1, groups[-1][2])
         else:
-            groups.append((size, 1, offset))
-        offset += size
+            groups.append((end - start, 1, start))
+        last = key
     return groups
+
+
+def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tuple[int, int, int] | None:
+    """(the chunk dim, then where the rows of `inner` lie among those of `outer` in the slices
+    of `run`, engine inner_bounds), for a slice or pad that shifts the chunk dim's rows; None
+    for one that does not (its bounds on it are the whole slice whatever its size, or it works
+    along other dims)."""
+    o, i = region.meta_of(outer), region.meta_of(inner)
+    if not (o.rows.shifted or i.rows.shifted):
+        return None
+    lo, hi = inner_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total)
+    return o.dim % _rank(outer), lo, hi
+
+
+def _ints_input(node: Node, k: int, name: str) -> list[int]:
+    v = node.inputs[k] if len(node.inputs) > k else None
+    if v is None or v.ints is None:
+        raise GraphError(f"{node.op} {node.name}: its {name} are computed, not constant")
+    return list(v.ints)
+
+
+def _shift_slice(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: list, attrs: dict) -> None:
+    """A Slice along the chunk dim (the label shift of one sequence), given the bounds of its
+    output's rows in the slices of `run`: nothing, or a row less in the first or last slice."""
+    bounds = _bounds_at(region, run, node.inputs[0], node.outputs[0])
+    if bounds is None:
+        return
+    dim, lo, hi = bounds
+    if "starts" in attrs:           # opset 1-9: attributes
+        starts, ends, axes = list(attrs["starts"]), list(attrs["ends"]), attrs.get("axes")
+    else:
+        starts, ends = _ints_input(node, 1, "starts"), _ints_input(node, 2, "ends")
+        axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    rank = _rank(node.inputs[0])
+    axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
+    if dim not in axes:
+        return
+    k = axes.index(dim)
+    starts[k], ends[k] = lo, hi
+    if "starts" in attrs:
+        attrs["starts"], attrs["ends"] = starts, ends
+    else:
+        inputs[1] = g.const("slice_starts", np.array(starts, np.int64))
+        inputs[2] = g.const("slice_ends", np.array(ends, np.int64))
+
+
+def _shift_pad(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: list, attrs: dict) -> None:
+    """A Pad along the chunk dim (a slice's gradient): its zeros where the slices of `run` hold
+    rows the padded value does not have."""
+    bounds = _bounds_at(region, run, node.outputs[0], node.inputs[0])
+    if bounds is None:
+        return
+    dim, lo, hi = bounds
+    rank = _rank(node.inputs[0])
+    pads = list(attrs["pads"]) if "pads" in attrs else _ints_input(node, 1, "pads")
+    axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(rank))
+    axes = [a % rank for a in axes]
+    if dim not in axes:
+        return
+    k = axes.index(dim)
+    pads[k], pads[k + len(axes)] = lo, run.rows(region.meta_of(node.outputs[0])) - hi
+    if "pads" in attrs:
+        attrs["pads"] = pads
+    else:
+        inputs[1] = g.const("pads", np.array(pads, np.int64))
+
+
+# Ops along the chunk dim whose bounds differ from slice to slice (engine Rows.lead, Rows.tail).
+_SHIFTS = {"Slice": _shift_slice, "Pad": _shift_pad}
 
 
 def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
@@ -358,7 +449,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
-                         (run.count_dim, *_sliced_shape(o, region.meta_of(o), run.size_dim)))
+                         (run.count_dim, *_sliced_shape(o, region.meta_of(o), run)))
                    for o in scans]
         trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
@@ -392,12 +483,12 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
 def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: ChunkMeta) -> Value:
     """(count, ..., size, ...) -> (..., count * size, ...): the slices side by side along `dim`."""
     rank = len(like.shape)
-    shape = _sliced_shape(like, meta, run.size_dim)
+    shape = _sliced_shape(like, meta, run)
     if dim:
         perm = [*range(1, dim + 1), 0, *range(dim + 1, rank + 1)]
         shape = (*shape[:dim], run.count_dim, *shape[dim:])
         stacked = g.add("Transpose", [stacked], f"{like.name}_gathered", like.dtype, shape, {"perm": perm})
-    merged = _sliced_shape(like, meta, simplify(run.count_dim * run.size_dim))
+    merged = _sliced_shape(like, meta, run, run.count_dim)
     if run.static and all(isinstance(d, int) for d in merged):
         target = g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))
     else:           # the dims around the slices' two, read from the stacked value itself

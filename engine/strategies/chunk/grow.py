@@ -31,6 +31,12 @@ the shape from before it, and elementwise ops on the middle shape (Gemma 2's log
 to float32 before the loss) run on the slices in that shape, as long as their other operands
 broadcast alike in both (scalars; a bias over the trailing dims the shapes share).
 
+A slice along the chunk dim itself (the label shift of one sequence: `logits[:-1]` against
+`labels[1:]`, where the tokens are the sequence) keeps some of the chunked rows (Rows.lead,
+Rows.tail): each slice of the chunk holds the ones that fall in it, the first or last fewer,
+so the backends run those in bodies of their own (ChunkRegion.slice_class), and the slice's
+gradient (a pad, a slice_scatter into zeros) puts the zeros back.
+
 Values the region reads but does not slice (weights, the global count of a mean over
 non-ignored labels) are computed outside it, whole, so a mean is divided by the global
 count, never by a chunk's. A region through an op with no declared kind, a dim an op
@@ -39,6 +45,7 @@ cannot carry, or a gradient an op is not linear in, is refused with a reason nam
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -48,7 +55,7 @@ from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static
 from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
-from .region import ChunkMeta, ChunkPhase, ChunkRegion, slice_sizes
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -90,6 +97,13 @@ def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None
         if j > shared or (dim is not None and len(like.shape) - j == dim):
             return False
     return True
+
+
+def _rows_text(rows: Rows) -> str:
+    """Rows of the chunked value as a Python slice (`[1:]`, `[:-1]`), or rows per its row."""
+    if rows.shifted:
+        return f"rows [{rows.lead or ''}:{-rows.tail if rows.tail else ''}] of the chunked value"
+    return f"{rows.unit} row(s) per row of the chunked value"
 
 
 def kind_of(rules, node: Node) -> str | None:
@@ -217,7 +231,7 @@ class _Grower:
                 self.meta[id(node.outputs[0])] = m
                 self.reshaped[id(node.outputs[0])] = self.reshaped.get(id(inputs[0]), inputs[0])
                 return
-        out_dim, need_sum, shape_only, out_unit = None, False, False, None
+        out_dim, need_sum, shape_only, out_rows = None, False, False, None
         type_only = TYPE_ONLY.get(kind, ())
         for i, v in enumerate(inputs):
             m = self.meta.get(id(v))
@@ -231,16 +245,15 @@ class _Grower:
             if m.dim is None:
                 continue
             o = next((o for o, d in dm.maps[i].items() if d == m.dim), None)
-            got_unit = m.unit
+            got_rows = m.rows
             if o is not None:
                 got_dim, got_sum = o, False
             elif (i, m.dim) in dm.regrouped:
                 got_dim, factor = dm.regrouped[(i, m.dim)]
-                got_sum, got_unit = False, m.unit * factor
-                if not is_static(self.size):
-                    raise Refused(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
-                                  f"{self.size}, with others: slices of whole groups are built at static "
-                                  f"sizes only")
+                got_sum, got_rows = False, self.regroup(node, m.rows, factor)
+            elif (i, m.dim) in dm.shifted:
+                got_dim, lead, tail = dm.shifted[(i, m.dim)]
+                got_sum, got_rows = False, self.shift(node, m.rows, lead, tail)
             elif any((i, m.dim) in group for group in dm.summed):
                 got_dim, got_sum = None, True
             elif (i, m.dim) in dm.blocked:
@@ -250,51 +263,41 @@ class _Grower:
                               f"to its output")
             if (out_dim, need_sum) not in ((None, False), (got_dim, got_sum)):
                 raise Refused(f"{node.op} {node.name}: its inputs are sliced along different dims")
-            if out_unit not in (None, got_unit):
-                raise Refused(f"{node.op} {node.name}: its inputs are sliced in rows of different sizes")
-            out_dim, need_sum, out_unit = got_dim, got_sum, got_unit
+            if out_rows not in (None, got_rows):
+                raise Refused(f"{node.op} {node.name}: its inputs are sliced in different rows "
+                              f"({_rows_text(out_rows)} against {_rows_text(got_rows)})")
+            out_dim, need_sum, out_rows = got_dim, got_sum, got_rows
         if out_dim is None and not need_sum:
             if required is None and not shape_only:
                 raise Refused(f"{node.op} {node.name} reads no sliced value")
             out_dim = None if required is None else required.dim
-            out_unit = None if required is None else required.unit
-        elif required is not None and (required.dim, required.unit) != (out_dim, out_unit):
+            out_rows = None if required is None else required.rows
+        elif required is not None and (required.dim, required.rows) != (out_dim, out_rows):
             raise Refused(f"{node.op} {node.name} is needed sliced along dim {required.dim}, "
                           f"but its inputs give dim {out_dim}" + (
-                              f" in rows of another size ({out_unit} against {required.unit})"
+                              f" in other rows ({_rows_text(out_rows)} against {_rows_text(required.rows)})"
                               if required.dim == out_dim else ""))
-        out_unit = Fraction(1) if out_unit is None else out_unit
+        out_rows = Rows() if out_rows is None else out_rows
         self.region[id(node)] = node
-        want: dict[int, tuple[int | None, Fraction]] = {}
-        for i, v in enumerate(inputs):
-            if out_dim is not None:
-                want[i] = (dm.maps[i].get(out_dim), out_unit)
-                if want[i][0] is None:       # a reshape's input, needed in whole rows of the group
-                    want[i] = next(((d, out_unit / factor) for (j, d), (o, factor) in dm.regrouped.items()
-                                    if j == i and o == out_dim), want[i])
-            else:
-                group = next((g for g in dm.summed if any(
-                    (j, (self.meta.get(id(inputs[j])) or ChunkMeta()).dim) in g for j in range(len(inputs)))), [])
-                want[i] = (next((d for j, d in group if j == i), None), out_unit)
         for i, v in enumerate(inputs):
             if self.in_region(v) or id(v) in self.inputs:
                 continue
-            r, unit = want[i]
+            r, rows = self.wanted(node, dm, i, inputs, out_dim, out_rows)
             if r is not None and self.should_pull(v):
-                self.include(v.producer, ChunkMeta(r, unit=unit))
+                self.include(v.producer, ChunkMeta(r, rows=rows))
                 continue
             if r is not None and (v.shape is None or r >= len(v.shape)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
-            meta = ChunkMeta(r, unit=unit if r is not None else Fraction(1))
-            if r is not None and not same_size(v.shape[r], meta.rows(self.size)):
+            meta = ChunkMeta(r, rows=rows if r is not None else Rows())
+            if r is not None and not same_size(v.shape[r], meta.rows.total(self.size)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
-                              f"{v.shape[r]} is not the chunked size {meta.rows(self.size)}")
+                              f"{v.shape[r]} is not the chunked size {meta.rows.total(self.size)}")
             self.meta[id(v)] = meta
             self.inputs[id(v)] = v
         if need_sum and dm.mean:
             self.means.append(node)
         scaled = self.scaled(node, inputs)
-        self.meta[id(node.outputs[0])] = ChunkMeta(out_dim, need_sum, scaled, out_unit)
+        self.meta[id(node.outputs[0])] = ChunkMeta(out_dim, need_sum, scaled, Rows() if need_sum else out_rows)
         # outputs after the first (a norm's statistics, a loss's log_prob) follow input 0's dim
         first_meta = self.meta.get(id(inputs[0]), ChunkMeta()) if dm.extra_outputs else ChunkMeta()
         first = first_meta.dim
@@ -303,7 +306,56 @@ class _Grower:
             if dim == -1:
                 raise Refused(f"{node.op} {node.name} does not carry dim {first} of %{inputs[0].name} to "
                               f"its output {k}")
-            self.meta[id(o)] = ChunkMeta(dim, False, scaled, first_meta.unit)
+            self.meta[id(o)] = ChunkMeta(dim, False, scaled, first_meta.rows)
+
+    def wanted(self, node: Node, dm, i: int, inputs: list[Value], out_dim: int | None,
+               out_rows: Rows) -> tuple[int | None, Rows]:
+        """The dim (and its rows) along which `node` needs its input `i` sliced, given its
+        output's: the dim that maps to the output's, the leading dim of a group a reshape
+        splits or merges, the dim a slice or pad shifts; or, for a sum, the dim summed with
+        the sliced inputs' (None: read whole)."""
+        if out_dim is None:
+            group = next((g for g in dm.summed if any(
+                (j, (self.meta.get(id(inputs[j])) or ChunkMeta()).dim) in g for j in range(len(inputs)))), [])
+            return next((d for j, d in group if j == i), None), out_rows
+        if dm.maps[i].get(out_dim) is not None:
+            return dm.maps[i][out_dim], out_rows
+        for (j, d), (o, factor) in dm.regrouped.items():    # needed in whole rows of the group
+            if j == i and o == out_dim:
+                return d, self.regroup(node, out_rows, 1 / factor)
+        for (j, d), (o, lead, tail) in dm.shifted.items():
+            if j == i and o == out_dim:
+                return d, self.shift(node, out_rows, -lead, -tail)
+        return None, out_rows
+
+    def regroup(self, node: Node, rows: Rows, factor: Fraction) -> Rows:
+        """The rows after a reshape that groups the chunked dim with others (DimMap.regrouped)."""
+        if not is_static(self.size):
+            raise Refused(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
+                          f"{self.size}, with others: slices of whole groups are built at static "
+                          f"sizes only")
+        if rows.shifted:
+            raise Refused(f"{node.op} {node.name} groups the chunked dim with others after a slice "
+                          f"along it: the slices cannot be whole groups")
+        return replace(rows, unit=rows.unit * factor)
+
+    def shift(self, node: Node, rows: Rows, lead: int, tail: int) -> Rows:
+        """The rows after an op that drops `lead` and `tail` rows of the chunk dim (a slice;
+        negative: a pad adds them) (DimMap.shifted)."""
+        if not is_static(self.size):
+            raise Refused(f"{node.op} {node.name} slices the chunked dim, of the symbolic size {self.size}: "
+                          f"slices that start or end inside it are built at static sizes only")
+        if rows.unit != 1:
+            raise Refused(f"{node.op} {node.name} slices the chunked dim, which a reshape before it "
+                          f"groups with others")
+        shifted = Rows(lead=rows.lead + lead, tail=rows.tail + tail)
+        if shifted.lead < 0 or shifted.tail < 0:
+            raise Refused(f"{node.op} {node.name} has rows of the chunk dim beyond the chunked value's "
+                          f"(from {-min(shifted.lead, 0)} before its first to {-min(shifted.tail, 0)} after "
+                          f"its last)")
+        if shifted.total(self._at_examples(self.size)) < 1:
+            raise Refused(f"{node.op} {node.name} leaves no rows of the chunk dim")
+        return shifted
 
     def include_reshaped(self, node: Node, kind: str, inputs: list[Value]) -> None:
         """Add `node`, which reads values computed in the shape from before a skipped reshape:
@@ -334,7 +386,7 @@ class _Grower:
                 self.inputs[id(v)] = v
         self.region[id(node)] = node
         out = node.outputs[0]
-        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].unit)
+        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].rows)
         self.reshaped[id(out)] = like
 
     def should_pull(self, v: Value) -> bool:
@@ -446,11 +498,14 @@ class _Grower:
                 raise Refused(f"the chunked dim has the symbolic size {self.size} (or the slice count "
                               f"`{action.count.text}` depends on a dynamic dim); this backend builds slices "
                               f"of static sizes only")
+            if any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
+                raise Refused(f"the slice count `{action.count.text}` depends on a dynamic dim, and a "
+                              f"slice along the chunk dim needs slices built at static sizes")
             extent, count_formula = self.size, formula
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
         return ChunkRegion(self.match, nodes, self.meta, inputs,
-                           slice_sizes(self._at_examples(self.size), count, granule),
+                           slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
                            self.means, extent, count_formula, dict(self.reshaped), granule)
 
@@ -507,7 +562,7 @@ class _Grower:
             for v in cyclic:
                 del self.inputs[id(v)]
                 m = self.meta[id(v)]
-                self.include(v.producer, ChunkMeta(m.dim, unit=m.unit))
+                self.include(v.producer, ChunkMeta(m.dim, rows=m.rows))
 
     def phases(self, nodes: list[Node], late: list[Value]) -> list[ChunkPhase]:
         """One phase, or, with `late` inputs, the forward phase (the nodes that do not read

@@ -34,11 +34,15 @@ CHUNK_KINDS = {
     "cast_like": "its first input, cast to the type of its second (ONNX CastLike), read for its type only",
     "expand": "broadcasts its input to a shape: sliced like pointwise, with the shape rewritten",
     "slice": "a slice of its input along `axes` (ONNX Slice, its starts, ends, axes and steps as "
-             "attributes or constant inputs): the other dims are carried, the sliced ones cannot be",
+             "attributes or constant inputs): the other dims are carried; a sliced dim is carried when the "
+             "slice is one contiguous run of it (step 1, constant bounds), each slice of the chunk holding "
+             "the rows of it that fall there (`logits[:-1]`: the last slice a row fewer)",
     "slice_scatter": "its second input written into a slice (`axes`, `starts`, `ends`) of its first "
-                     "(ATen slice_scatter, the gradient of a slice): dims off the axes are carried",
+                     "(ATen slice_scatter, the gradient of a slice): dims off the axes are carried, and a "
+                     "sliced dim as for `slice`, the rows around the written ones coming from the first input",
     "pad": "pads its input (ONNX Pad, its pads as an attribute or a constant input): the dims it does "
-           "not pad are carried",
+           "not pad are carried; a padded dim too when the padding falls within the chunked rows (the "
+           "gradient of `logits[:-1]`)",
     "nll_loss": "a loss over the class dim 1 of its input, picked by a target of the other dims (ONNX "
                 "NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss): those dims are kept (reduction none) "
                 "or summed; a mean runs as a sum in each slice, divided by the total weight of every "
@@ -74,6 +78,10 @@ class DimMap:
     # (input, dim) -> (output dim, factor): a reshape's leading dim of a split or merged group,
     # whose output size is `factor` times the input's ((tokens) -> (batch, seq): 1 / seq)
     regrouped: dict[tuple[int, int], tuple[int, Fraction]] = field(default_factory=dict)
+    # (input, dim) -> (output dim, lead, tail): the output's rows along that dim are the input's
+    # from row `lead` to `tail` rows before its end (a slice `x[1:]`: 1, 0); negative for rows
+    # the op adds (a pad; a slice_scatter's output around the slice it writes)
+    shifted: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -119,6 +127,38 @@ def _slice_axes(node: Node, inputs: list[Value], rank: int, first: int | None) -
     if axes is None:
         raise Refused(f"{node.op} {node.name} names no axes")
     return {norm_dim(a, rank) for a in axes}
+
+
+def _slice_bounds(node: Node, inputs: list[Value], rank: int, size: Any,
+                  first: int | None) -> dict[int, tuple[int, int]]:
+    """Axis -> (rows dropped at its start, rows dropped at its end) for the axes a slice
+    takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`): its
+    `starts`, `ends`, `axes` and `steps` as attributes or, from ONNX Slice's input `first`
+    (its starts) on, constant inputs."""
+    def read(name: str, position: int | None) -> list[int] | None:
+        got = _int_list(_param(node, name))
+        if got is None and position is not None and len(inputs) > position:
+            got = inputs[position].ints
+        return got
+
+    starts = read("starts", first)
+    ends = read("ends", None if first is None else first + 1)
+    steps = read("steps", None if first is None else first + 3)
+    listed = _int_list(_param(node, "axes"))
+    if listed is None and first is not None and len(inputs) > first + 2:
+        listed = inputs[first + 2].ints
+    if starts is None or ends is None or len(starts) != len(ends):
+        return {}
+    listed = list(range(len(starts))) if listed is None else listed
+    found = {}
+    for k, axis in enumerate(listed):
+        axis = norm_dim(axis, rank)
+        n = size(axis)
+        if not isinstance(n, int) or k >= len(starts) or (steps is not None and steps[k] != 1):
+            continue
+        start, end = (min(max(b + n if b < 0 else b, 0), n) for b in (starts[k], ends[k]))
+        found[axis] = (start, n - max(end, start))
+    return found
 
 
 def rank_of(v: Value) -> int:
@@ -254,19 +294,27 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
                       regrouped={(0, i): g for i, g in regrouped_dims(src, out.shape).items()})
     if kind == "slice":
         axes = _slice_axes(node, inputs, rank, first=3)
-        return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes})
+        bounds = _slice_bounds(node, inputs, rank, lambda a: inputs[0].shape[a], first=1)
+        return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes},
+                      shifted={(0, a): (a, lead, tail) for a, (lead, tail) in bounds.items()})
     if kind == "pad":
         pads = _int_list(_param(node, "pads")) or (inputs[1].ints if len(inputs) > 1 else None)
         axes = inputs[3].ints if len(inputs) > 3 else list(range(rank))
         if pads is None or axes is None:
             raise Refused(f"{node.op} {node.name}: its pads are computed, not constant")
         axes = [norm_dim(a, rank) for a in axes]
-        padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
-        return DimMap([{o: o for o in range(rank) if o not in padded}], blocked={(0, a) for a in padded})
+        padded = {a: (pads[k], pads[k + len(axes)]) for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
+        return DimMap([{o: o for o in range(rank) if o not in padded}], blocked={(0, a) for a in padded},
+                      shifted={(0, a): (a, -before, -after) for a, (before, after) in padded.items()})
     if kind == "slice_scatter":
         axes = _slice_axes(node, inputs, rank, first=None)
         kept = {o: o for o in range(rank) if o not in axes}
-        return DimMap([kept, dict(kept)], blocked={(i, a) for a in axes for i in (0, 1)})
+        bounds = _slice_bounds(node, inputs, rank, lambda a: out.shape[a], first=None)
+        # the output has the rows of the value written into (input 0); the slice written is
+        # the rows between `lead` and `tail` of it
+        return DimMap([{**kept, **{a: a for a in bounds}}, dict(kept)],
+                      blocked={(1, a) for a in axes} | {(0, a) for a in axes if a not in bounds},
+                      shifted={(1, a): (a, -lead, -tail) for a, (lead, tail) in bounds.items()})
     if kind in ("sum", "reduce", "axis"):
         src = inputs[0]
         r = rank_of(src)

@@ -15,16 +15,90 @@ from ...shapes import simplify
 from .kinds import Refused
 
 
-def slice_sizes(size: Any, count: int, granule: int = 1) -> list[int]:
+def slice_sizes(size: Any, count: int, granule: int = 1, lead: int = 0, tail: int = 0) -> list[int]:
     """`size` rows in `count` slices of whole multiples of `granule` rows: equal ones and a
-    smaller last one (fewer slices when there are fewer granules)."""
+    smaller last one (fewer slices when there are fewer granules). The first slice is longer
+    than `lead` rows and the last longer than `tail` (a region value that starts `lead` rows in
+    or ends `tail` rows short, Rows, has rows in every slice): one that is not is merged into
+    its neighbour until it is."""
     try:
         n = int(size)
     except TypeError:
         raise Refused(f"the chunked dim has the symbolic size {size}") from None
     units = n // granule
     step = math.ceil(units / min(count, units)) * granule
-    return [min(step, n - start) for start in range(0, n, step)]
+    sizes = [min(step, n - start) for start in range(0, n, step)]
+    while len(sizes) > 1 and sizes[-1] <= tail:
+        sizes[-2:] = [sizes[-2] + sizes[-1]]
+    while len(sizes) > 1 and sizes[0] <= lead:
+        sizes[:2] = [sizes[0] + sizes[1]]
+    return sizes
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a value's rows along its chunk dim lie on the chunked value's rows.
+
+    `unit`: its rows per row of the chunked value: rows [a, b) of the chunked value are rows
+    [a * unit, b * unit) of this one (a reshape from (tokens, vocab) to (batch, seq, vocab)
+    gives 1 / seq; the region's slices are then whole multiples of seq rows, ChunkRegion.granule).
+    `lead`, `tail`: a slice along the chunk dim itself (the label shift of one sequence,
+    `logits[:-1]`) keeps the chunked rows [lead, size - tail), row for row: its row r is row
+    r + lead of the chunked value, and a slice of the chunked value holds the part of the
+    value that falls in it (the first slice `lead` rows fewer, the last `tail` fewer). Either
+    the unit or the lead and tail, never both: the grower refuses the mix."""
+
+    unit: Fraction = Fraction(1)
+    lead: int = 0
+    tail: int = 0
+
+    @property
+    def shifted(self) -> bool:
+        return bool(self.lead or self.tail)
+
+    def window(self, start: Any, end: Any, size: Any) -> tuple[Any, Any]:
+        """The chunked value's rows of [start, end) that this value has (unit 1)."""
+        if not self.shifted:
+            return start, end
+        return max(start, self.lead), min(end, size - self.tail)
+
+    def span(self, start: Any, end: Any, size: Any) -> tuple[Any, Any]:
+        """This value's own rows for rows [start, end) of the chunked value, whose size is
+        `size` (formulas when dynamic: then the unit is 1 and nothing is shifted)."""
+        if self.shifted:
+            lo, hi = self.window(start, end, size)
+            return lo - self.lead, hi - self.lead
+        return self.scale(start), self.scale(end)
+
+    def total(self, size: Any) -> Any:
+        """This value's rows when the chunked value has `size`."""
+        lo, hi = self.span(0, size, size)
+        return hi - lo
+
+    def scale(self, rows: Any) -> Any:
+        if self.unit == 1:
+            return rows
+        scaled = Fraction(int(rows)) * self.unit
+        if scaled.denominator != 1:
+            raise RuntimeError(f"remat bug: {rows} rows are not whole rows of a value with unit {self.unit}")
+        return int(scaled)
+
+
+def inner_bounds(outer: "Rows", inner: "Rows", start: int, end: int, size: int) -> tuple[int, int]:
+    """Where, in a slice [start, end) of the chunked value, the rows `inner` has lie among the
+    rows `outer` has, as positions in outer's slice: a slice op's bounds in its input's slice
+    (outer the input, inner the output), a slice_scatter's in its output's, a pad's in its
+    output's (what lies around them is padding)."""
+    o_lo, _ = outer.window(start, end, size)
+    i_lo, i_hi = inner.window(start, end, size)
+    return i_lo - o_lo, i_hi - o_lo
+
+
+def row_edges(metas) -> tuple[int, int]:
+    """The most rows a sliced value starts in from the chunked value's first row, and ends
+    short of its last (Rows.lead, Rows.tail): the first and last slices must be longer."""
+    rows = [m.rows for m in metas if m.dim is not None]
+    return max((r.lead for r in rows), default=0), max((r.tail for r in rows), default=0)
 
 
 @dataclass(frozen=True)
@@ -32,20 +106,20 @@ class ChunkMeta:
     dim: int | None = None       # sliced along this dim: the chunks are concatenated
     need_sum: bool = False       # a partial sum: the chunks are added
     scaled: bool = False         # computed with the incoming gradient as one: multiply once at the end
-    # rows of `dim` per row of the chunked value: rows [a, b) of the chunked value are rows
-    # [a * unit, b * unit) of this one (a reshape from (tokens, vocab) to (batch, seq, vocab)
-    # gives 1 / seq; the region's slices are then whole multiples of seq rows, ChunkRegion.granule)
-    unit: Fraction = Fraction(1)
+    rows: Rows = Rows()          # where its rows along `dim` lie on the chunked value's
 
-    def rows(self, size: Any) -> Any:
-        """This value's rows for `size` rows of the chunked value (a formula when dynamic: then
-        the unit is 1)."""
-        if self.unit == 1:
-            return size
-        rows = Fraction(int(size)) * self.unit
-        if rows.denominator != 1:
-            raise RuntimeError(f"remat bug: {size} rows are not whole rows of a value with unit {self.unit}")
-        return int(rows)
+    @property
+    def unit(self) -> Fraction:
+        return self.rows.unit
+
+    def span(self, start: Any, end: Any, size: Any) -> tuple[Any, Any]:
+        """Its own rows for rows [start, end) of the chunked value (Rows.span)."""
+        return self.rows.span(start, end, size)
+
+    def length(self, start: Any, end: Any, size: Any) -> Any:
+        """How many of its rows a slice [start, end) of the chunked value holds."""
+        lo, hi = self.span(start, end, size)
+        return hi - lo
 
 
 @dataclass
@@ -92,13 +166,32 @@ class ChunkRegion:
             return max(self.chunks)
         return simplify(sympy.ceiling(self.extent / sympy.Max(self.count, 1)))
 
+    @property
+    def edges(self) -> tuple[int, int]:
+        return row_edges(self.meta.values())
+
     def sizes_for(self, count: int) -> list[int]:
         """The slices' sizes in `count` slices (at the example sizes)."""
-        return slice_sizes(sum(self.chunks), count, self.granule)
+        return slice_sizes(sum(self.chunks), count, self.granule, *self.edges)
 
     @property
     def most_slices(self) -> int:
-        return sum(self.chunks) // self.granule
+        return len(self.sizes_for(sum(self.chunks)))
+
+    def slices(self) -> list[tuple[int, int]]:
+        """Each slice's rows [start, end) of the chunked value."""
+        bounds, start = [], 0
+        for size in self.chunks:
+            bounds.append((start, start + size))
+            start += size
+        return bounds
+
+    def slice_class(self, start: int, end: int) -> tuple[int, bool, bool]:
+        """What a slice's body depends on: its size, and whether it is the first or last slice
+        where a region value starts in or ends short there (Rows.lead, Rows.tail): slices of
+        one class run the same body on the same shapes."""
+        lead, tail = self.edges
+        return end - start, bool(lead) and start == 0, bool(tail) and end == sum(self.chunks)
 
     def reslice(self, count: int) -> None:
         """Run the region in `count` slices instead (the budget planner's choice)."""
