@@ -218,11 +218,35 @@ def test_a_softcap_between_the_reshapes_runs_in_the_slices(fresh_compiles, tmp_p
         assert relative_error(got, want) <= 1e-4
 
 
-def test_a_per_position_factor_between_the_reshapes_is_refused():
+def test_a_per_position_factor_between_the_reshapes_chunks_in_whole_batch_rows(fresh_compiles, tmp_path):
     """A (seq, 1) factor broadcasts over (batch, seq, vocab) by position; on (tokens, vocab) it
-    would not: the region is refused with the op named, not built wrong."""
-    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    would not, so the reshape is not skipped: the region grows again through it, in slices of
+    whole batch rows (granule = seq), where the factor broadcasts as it does unsliced."""
+    torch.manual_seed(0)
     model = SoftcapHead(16, 300, 24, per_position=True)
+    inputs = _softcap_inputs(4, 24, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.granule == 24 and region.chunks == [24] * 4 and not region.elided
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+class PerPositionThenCumsum(SoftcapHead):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = torch.cumsum(self.head(x) * self.scale, 1)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def test_a_region_refused_with_and_without_skipping_the_reshape_gives_the_first_reason():
+    """Both ways refused (the factor in the skipped shape; then the cumsum, not chunkable): the
+    reason is the first way's, which names the op the skipped shape could not run."""
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk_head.rule")
+    model = PerPositionThenCumsum(16, 300, 24, per_position=True)
     planning = plan(_joint(model, _softcap_inputs(2, 24, 16, 300)), rules)
     assert not planning.plans
     [refusal] = planning.refusals
@@ -317,6 +341,48 @@ def test_a_label_shift_of_one_sequence_runs_a_row_short_at_its_edge(fresh_compil
         assert relative_error(got, want) <= 1e-4
 
 
+class LossHead(nn.Module):
+    """Losses written as users write them, beside F.cross_entropy: by hand (its gradient a
+    scatter_add into zeros), PaLM's z-loss with its logsumexp over the (batch, seq, vocab) logits,
+    and fine-tuning's per-token loss times a mask over the labels to learn."""
+
+    def __init__(self, loss: str, d: int = 16, vocab: int = 300):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        if self.loss == "by_hand":
+            return -flat.log_softmax(-1).gather(-1, targets[:, None]).mean()
+        if self.loss == "z_loss_seq":
+            return F.cross_entropy(flat, targets) + 1e-4 * torch.logsumexp(logits.float(), -1).pow(2).mean()
+        learn = (targets % 3 != 0).float()
+        return (F.cross_entropy(flat, targets, reduction="none") * learn).sum() / learn.sum()
+
+
+LOSS_GRANULES = {"by_hand": 1, "z_loss_seq": 24, "masked": 1}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSS_GRANULES))
+def test_losses_written_by_hand_chunk_and_match_eager(fresh_compiles, tmp_path, loss):
+    """The z-loss's logsumexp over (batch, seq, vocab) is more than the slices of tokens can run
+    in that shape: the region grows again in whole batch rows (granule = seq)."""
+    torch.manual_seed(0)
+    model = LossHead(loss)
+    inputs = _softcap_inputs(4, 24, 16, 300)
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    loss_value, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert region.granule == LOSS_GRANULES[loss] and len(region.chunks) == 4
+    assert relative_error(loss_value, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 class SliceThen(nn.Module):
     """A projection whose output rows are sliced `[lead:-tail]` along the chunked dim before an
     elementwise step and a sum: slices along the chunk dim inside a region, forward and back."""
@@ -387,10 +453,11 @@ class ChainHead(nn.Module):
 
 @settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.sampled_from(sorted(_BETWEEN)), min_size=1, max_size=4).map(tuple))
-def test_elementwise_chains_between_the_reshapes_chunk_or_are_refused_and_match_eager(
+@example(steps=("cap", "per_position"))
+def test_elementwise_chains_between_the_reshapes_chunk_and_match_eager(
         tmp_path_factory, fresh_compiles, steps):
-    """Any chain of elementwise steps between the two reshapes: the loss is chunked unless a
-    step broadcasts by position, and the numbers are eager's either way."""
+    """Any chain of elementwise steps between the two reshapes: the loss is chunked (in whole
+    batch rows when a step broadcasts by position), and the numbers are eager's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = ChainHead(steps)
@@ -399,11 +466,10 @@ def test_elementwise_chains_between_the_reshapes_chunk_or_are_refused_and_match_
     remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("r"), 3))
     loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
     [result] = remat.remat_pass.chunk_results
-    if "per_position" in steps:
-        assert remat.remat_pass.chunked == 0
-        assert "would broadcast differently" in result.report() or not result.plans
-    else:
-        assert remat.remat_pass.chunked == 1, result.report()
+    assert remat.remat_pass.chunked == 1, result.report()
+    [region] = result.chunks
+    # by position: in whole batch rows; else the slices skip the reshape, as fine as the tokens
+    assert region.granule == (24 if "per_position" in steps else 1) and bool(region.elided) != ("per_position" in steps)
     assert relative_error(loss, want_loss) <= 1e-4
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) <= 1e-4

@@ -3,7 +3,7 @@ gradients in ONNX Runtime, and no value of the amplified size is left outside th
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -15,8 +15,8 @@ from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
-from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, Attention, ChainHead, Head, HeadThen,  # noqa: E402
-                        ShiftHead, SliceThen, SoftcapHead, _inputs, _softcap_inputs)
+from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Attention, ChainHead,  # noqa: E402
+                        Head, HeadThen, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs, _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
@@ -96,6 +96,22 @@ def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop, batc
     assert error <= 1e-4, where
 
 
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+@pytest.mark.parametrize("loss", sorted(LOSS_GRANULES))
+def test_losses_written_by_hand_run_in_loops_too(exporter, loss):
+    """As on torch. torch.onnx writes the hand-written loss's gradient as a ScatterElements whose
+    updates a CastLike also reads, for their type only: the Loop slices them once, for both."""
+    torch.manual_seed(0)
+    exported = export_training_step(LossHead(loss), _softcap_inputs(4, 24, 16, 300), exporter=exporter)
+    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    assert region.granule == LOSS_GRANULES[loss] and len(region.chunks) == 4
+    outputs = run(export_model(rewrite.graph), exported.feeds)
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
 @settings(max_examples=6, deadline=None)
 @given(tokens=st.integers(12, 40), lead=st.integers(0, 4), tail=st.integers(0, 4), count=st.integers(2, 12))
 def test_slices_along_the_chunk_dim_run_in_loops_of_their_own_class(tokens, lead, tail, count):
@@ -123,11 +139,14 @@ def test_a_pad_along_the_chunk_dim_is_refused_with_the_op_named():
 
 @settings(max_examples=4, deadline=None)
 @given(steps=st.lists(st.sampled_from(sorted(_BETWEEN)), min_size=1, max_size=4).map(tuple))
-def test_elementwise_chains_between_the_reshapes_chunk_or_are_refused_in_onnx_runtime_too(steps):
+@example(steps=("cap", "per_position"))
+def test_elementwise_chains_between_the_reshapes_chunk_in_onnx_runtime_too(steps):
     torch.manual_seed(0)
     model = ChainHead(steps)
     exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
-    assert rewrite.chunked == (0 if "per_position" in steps else 1) and not rewrite.failures
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    assert region.granule == (24 if "per_position" in steps else 1)
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 

@@ -95,6 +95,8 @@ LOSSES = ("ce_mean",        # F.cross_entropy
           "ce_shift",       # HF: logits[:, :-1].contiguous() against targets[:, 1:]
           "ce_count",       # sum over labels != -100, divided by their count (a tensor)
           "z_loss",         # cross-entropy + 1e-4 * logsumexp(logits).pow(2).mean() (PaLM)
+          "z_loss_seq",     # the same, its logsumexp over the (batch, seq, vocab) logits in fp32
+          "ce_masked",      # reduction="none", times a mask of the labels to learn, over its sum (SFT)
           "softcap")        # logits = 30.0 * tanh(logits / 30.0), then cross-entropy (Gemma 2)
 LOGITS = ("linear_module",  # nn.Linear head (tied: head.weight = tok.weight)
           "f_linear",       # F.linear(x, W)
@@ -472,6 +474,13 @@ class GPT(nn.Module):
             return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
         if kind == "softcap":
             logits = 30.0 * torch.tanh(logits / 30.0)
+        if kind == "z_loss_seq":
+            z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)) + 1e-4 * z
+        if kind == "ce_masked":
+            learn = (targets % 3 != 0).float()
+            each = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none")
+            return (each * learn.view(-1)).sum() / learn.sum()
         logits = logits.view(-1, logits.size(-1))
         targets = targets.view(-1)
         if kind in ("ce_mean", "softcap"):
@@ -879,6 +888,11 @@ FIXED: list[Variant] = [
       tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
     # PaLM's z-loss: logsumexp reads the logits beside the cross-entropy.
     V("gpt_z_loss", loss="z_loss", expect=CHUNKS),
+    # The z-loss's logsumexp over the (batch, seq, vocab) logits: more than the slices of tokens can
+    # run in that shape, so the loss chunk runs in whole batch rows. The masked loss of fine-tuning
+    # (reduction="none", a mask over the labels to learn).
+    V("gpt_z_loss_seq", loss="z_loss_seq", expect=CHUNKS),
+    V("gpt_ce_masked_flinear", loss="ce_masked", logits="f_linear", expect=CHUNKS),
     # torch's own nn.TransformerEncoder, compiled with dynamic=True (chunk rules refuse dynamic sizes).
     # (recompute_activation does not fire here, though it does on the static model and on a
     # dynamic GPT.)
@@ -893,12 +907,6 @@ FIXED: list[Variant] = [
 ]
 
 
-# The losses the loss chunk takes whole; the others are refused, not crashed on (ce_hand: its
-# backward is a scatter_add, not declared linear_in_gradient). softcap's elementwise ops between
-# the two reshapes run in the slices' shape (engine/strategies/chunk/grow.py, include_reshaped);
-# ce_shift's slice along the sequence runs in slices of whole batch rows (BATCH is 2).
-CHUNKED_LOSSES = ("ce_mean", "ce_sum", "ce_smooth", "ce_ignore", "nll", "ce_count", "z_loss", "softcap",
-                  "ce_shift")
 
 
 def implied_rules(variant: Variant) -> tuple[str, ...]:
@@ -914,7 +922,11 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     if variant.dynamic:
         return ()               # chunk rules refuse dynamic sizes (README)
     rules = []
-    if variant.loss in CHUNKED_LOSSES and variant.returns == "loss":
+    # Every loss of LOSSES: softcap's elementwise ops between the two reshapes run in the slices'
+    # shape (engine/strategies/chunk/grow.py, include_reshaped); ce_shift's slice along the
+    # sequence, and z_loss_seq's logsumexp over the (batch, seq, vocab) logits, run in slices of
+    # whole batch rows (BATCH is 2); ce_hand's gradient is a scatter_add into zeros.
+    if variant.returns == "loss":
         rules.append("chunk_linear_cross_entropy")
     in_place_scores = variant.inplace and (variant.scale in ("mul_float", "div_float")
                                            or variant.mask in ("bool_fill", "additive"))

@@ -31,6 +31,7 @@ ATEN_TO_ONNX = {
 # whichever exporter made the graph, and the engine never reads ATen argument positions.
 ATTRIBUTE_ARGS = {
     "_softmax": {1: "axis"}, "_log_softmax": {1: "axis"}, "gather": {1: "axis"}, "scatter": {1: "axis"},
+    "scatter_add": {1: "axis"},
     "permute": {1: "perm"}, "sum": {1: "axes", 2: "keepdims"}, "mean": {1: "axes", 2: "keepdims"},
     "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
     "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},

@@ -54,7 +54,7 @@ from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static
-from .kinds import TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
+from .kinds import DTYPE_ONLY, TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
 from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
@@ -97,6 +97,16 @@ def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None
         if j > shared or (dim is not None and len(like.shape) - j == dim):
             return False
     return True
+
+
+def _text(attr: Any) -> str:
+    return attr.decode() if isinstance(attr, bytes) else str(attr)
+
+
+def _read_text(meta: ChunkMeta) -> str:
+    if meta.dim is None:
+        return "whole"
+    return f"sliced along dim {meta.dim}" + (f" ({_rows_text(meta.rows)})" if meta.rows != Rows() else "")
 
 
 def _rows_text(rows: Rows) -> str:
@@ -153,9 +163,11 @@ class GraphIndex:
 
 
 class _Grower:
-    def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False):
+    def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False,
+                 elide: bool = True):
         self.match = match
         self.two_phase = two_phase
+        self.elide = elide          # skip a reshape the slices have no place in (include)
         self.ctx = ctx
         self.rules = ctx.rules
         self.graph: Graph = ctx.graph
@@ -169,6 +181,7 @@ class _Grower:
         # reshape, and of the elementwise ops after it, keep the shape from before the reshape
         self.reshaped: dict[int, Value] = {}
         self.inputs: dict[int, Value] = {}
+        self.dtype_reads: set[int] = set()     # inputs read so far only for their type (read_outside)
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
         root_out = match.root.outputs[0]
@@ -219,7 +232,7 @@ class _Grower:
                           f"dims to {1 + len(dm.extra_outputs)}")
         if kind == "reshape":
             m = self.meta.get(id(inputs[0]))
-            if (m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
+            if (self.elide and m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
                     and node.outputs[0].users
                     and all(self.kind_or_none(u) in ("reshape", "pointwise") for u in node.outputs[0].users)):
                 # (tokens, vocab) -> (batch, seq, vocab) -> (tokens, vocab): the slice has no
@@ -280,10 +293,10 @@ class _Grower:
         out_rows = Rows() if out_rows is None else out_rows
         self.region[id(node)] = node
         for i, v in enumerate(inputs):
-            if self.in_region(v) or id(v) in self.inputs:
+            if self.in_region(v):
                 continue
             r, rows = self.wanted(node, dm, i, inputs, out_dim, out_rows)
-            if r is not None and self.should_pull(v):
+            if r is not None and id(v) not in self.inputs and self.should_pull(v):
                 self.include(v.producer, ChunkMeta(r, rows=rows))
                 continue
             if r is not None and (v.shape is None or r >= len(v.shape)):
@@ -292,8 +305,7 @@ class _Grower:
             if r is not None and not same_size(v.shape[r], meta.rows.total(self.size)):
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
                               f"{v.shape[r]} is not the chunked size {meta.rows.total(self.size)}")
-            self.meta[id(v)] = meta
-            self.inputs[id(v)] = v
+            self.read_outside(node, v, meta, i in DTYPE_ONLY.get(kind, ()))
         if need_sum and dm.mean:
             self.means.append(node)
         scaled = self.scaled(node, inputs)
@@ -307,6 +319,27 @@ class _Grower:
                 raise Refused(f"{node.op} {node.name} does not carry dim {first} of %{inputs[0].name} to "
                               f"its output {k}")
             self.meta[id(o)] = ChunkMeta(dim, False, scaled, first_meta.rows)
+
+    def read_outside(self, node: Node, v: Value, meta: ChunkMeta, dtype_only: bool) -> None:
+        """Record that `node` reads `v`, computed outside the region, as `meta` says (sliced, or
+        whole). The backends slice each input once for every region node that reads it, so two
+        readers must want it alike; a read for its type only (CastLike's second input) is served
+        by either."""
+        have = self.meta.get(id(v)) if id(v) in self.inputs else None
+        if have is None:
+            self.meta[id(v)] = meta
+            self.inputs[id(v)] = v
+            if dtype_only:
+                self.dtype_reads.add(id(v))
+            return
+        if dtype_only or (have.dim, have.rows) == (meta.dim, meta.rows):
+            return
+        if id(v) in self.dtype_reads:       # so far read only for its type: a slice has that type too
+            self.dtype_reads.discard(id(v))
+            self.meta[id(v)] = meta
+            return
+        raise Refused(f"{node.op} {node.name} reads %{v.name} {_read_text(meta)}, where another node of the "
+                      f"region reads it {_read_text(have)}")
 
     def wanted(self, node: Node, dm, i: int, inputs: list[Value], out_dim: int | None,
                out_rows: Rows) -> tuple[int | None, Rows]:
@@ -382,8 +415,7 @@ class _Grower:
                 raise Refused(f"{where}; its operand %{v.name} (shape {v.shape}) would broadcast differently "
                               f"in that shape")
             if not self.in_region(v):
-                self.meta[id(v)] = ChunkMeta()
-                self.inputs[id(v)] = v
+                self.read_outside(node, v, ChunkMeta(), False)
         self.region[id(node)] = node
         out = node.outputs[0]
         self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].rows)
@@ -442,6 +474,10 @@ class _Grower:
         if kind == "pad" and (node.attrs.get("mode", "constant") not in ("constant", b"constant") or any(
                 flags[2:]) or (len(inputs) > 2 and not _zero(inputs[2]))):
             raise Refused(f"{op} {node.name} pads the incoming gradient with something other than zeros")
+        if kind == "scatter_elements" and (
+                flags[1] or not all(flags[i] or _zero(inputs[i]) for i in (0, 2) if i < len(inputs))
+                or _text(node.attrs.get("reduction", "none")) not in ("none", "add")):
+            raise Refused(f"{op} {node.name} scatters the incoming gradient into, or with, a value other than zeros")
         if node.op_type == "Where":
             if flags[0] or not all(flags[i] or _zero(inputs[i]) for i in (1, 2)):
                 raise Refused(f"{op} {node.name} selects between the incoming gradient and a nonzero value")
@@ -666,10 +702,21 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     if match.root.chunk_slice:
         return Reason(action.location, f"{match.root.op} {match.root.name} already runs one slice of a "
                                        f"chunk region")
-    try:
+    refused = None
+    # A reshape the slices have no place in is skipped first (slices as fine as the chunked dim
+    # allows); where what runs in the skipped shape is more than the slices can compute there
+    # (a z-loss's logsumexp over (batch, seq, vocab)), the region grows again without skipping,
+    # in whole rows of the reshape's groups (ChunkRegion.granule).
+    for elide in (True, False):
+        grower = _Grower(match, action, ctx, elide=elide)
         try:
-            return _Grower(match, action, ctx).grow(action)
-        except _TwoPhases:
-            return _Grower(match, action, ctx, two_phase=True).grow(action)
-    except Refused as e:
-        return Reason(action.location, str(e))
+            try:
+                return grower.grow(action)
+            except _TwoPhases:
+                grower = _Grower(match, action, ctx, two_phase=True, elide=elide)
+                return grower.grow(action)
+        except Refused as e:
+            refused = refused or e
+            if not grower.elided:
+                break           # nothing was skipped: growing again would refuse alike
+    return Reason(action.location, str(refused))

@@ -54,6 +54,8 @@ CHUNK_KINDS = {
 # Inputs an op of a kind reads only for their shape or type, not their values: nothing the
 # region computes flows through them, and a slice read there needs no dim in the output.
 TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
+# Of those, the inputs read for their element type alone: a slice serves as well as the whole.
+DTYPE_ONLY = {"cast_like": {1}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
 MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
