@@ -344,31 +344,38 @@ def test_a_label_shift_of_one_sequence_runs_a_row_short_at_its_edge(fresh_compil
 class LossHead(nn.Module):
     """Losses written as users write them, beside F.cross_entropy: by hand (its gradient a
     scatter_add into zeros), PaLM's z-loss with its logsumexp over the (batch, seq, vocab) logits,
-    and fine-tuning's per-token loss times a mask over the labels to learn."""
+    fine-tuning's per-token loss times a mask over the labels to learn, and a trainable bias added
+    to the (batch, seq, vocab) logits (its gradient a sum over batch and sequence)."""
 
     def __init__(self, loss: str, d: int = 16, vocab: int = 300):
         super().__init__()
         self.head = nn.Linear(d, vocab, bias=False)
+        self.bias = nn.Parameter(torch.randn(vocab) * 0.1) if loss == "trainable_bias" else None
         self.loss = loss
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.head(x)
+        if self.bias is not None:
+            logits = logits + self.bias
         flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         if self.loss == "by_hand":
             return -flat.log_softmax(-1).gather(-1, targets[:, None]).mean()
         if self.loss == "z_loss_seq":
             return F.cross_entropy(flat, targets) + 1e-4 * torch.logsumexp(logits.float(), -1).pow(2).mean()
-        learn = (targets % 3 != 0).float()
-        return (F.cross_entropy(flat, targets, reduction="none") * learn).sum() / learn.sum()
+        if self.loss == "masked":
+            learn = (targets % 3 != 0).float()
+            return (F.cross_entropy(flat, targets, reduction="none") * learn).sum() / learn.sum()
+        return F.cross_entropy(flat, targets)
 
 
-LOSS_GRANULES = {"by_hand": 1, "z_loss_seq": 24, "masked": 1}
+LOSS_GRANULES = {"by_hand": 1, "z_loss_seq": 24, "masked": 1, "trainable_bias": 24}
 
 
 @pytest.mark.parametrize("loss", sorted(LOSS_GRANULES))
 def test_losses_written_by_hand_chunk_and_match_eager(fresh_compiles, tmp_path, loss):
-    """The z-loss's logsumexp over (batch, seq, vocab) is more than the slices of tokens can run
-    in that shape: the region grows again in whole batch rows (granule = seq)."""
+    """The z-loss's logsumexp over (batch, seq, vocab), and the trainable bias's gradient, are
+    more than the slices of tokens can compute in that shape: the region grows again in whole
+    batch rows (granule = seq)."""
     torch.manual_seed(0)
     model = LossHead(loss)
     inputs = _softcap_inputs(4, 24, 16, 300)
