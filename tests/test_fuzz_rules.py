@@ -321,8 +321,10 @@ def _head_graph():
     logits = b.op("MatMul", [x, w], shape=(64, 256), name="logits")
     lp = b.op("LogSoftmax", [logits], name="lp", axis=-1)
     loss = b.op("ReduceSum", [lp], shape=(), name="loss", keepdims=0)
-    g = b.op("Expand", [loss], shape=(64, 256), name="g")
-    gsum = b.op("ReduceSum", [g], shape=(64, 1), name="gsum", keepdims=1)
+    seed = b.input("seed", shape=())        # the loss's incoming gradient
+    seed.tangent = True
+    g = b.op("Expand", [seed], shape=(64, 256), name="g")
+    gsum = b.op("ReduceSum", [g], shape=(64, 1), name="gsum", axes=[1], keepdims=1)
     glogits = b.op("Sub", [g, b.op("Mul", [b.op("Exp", [lp], name="sm"), gsum], name="smg")], name="glogits")
     dw = b.op("MatMul", [b.op("Transpose", [x], shape=(32, 64), name="xt"), glogits], shape=(32, 256), name="dw")
     return b.graph([loss, dw])
