@@ -59,7 +59,7 @@ _INLINED = {_ATEN.embedding.default, _ATEN.full.default, _ATEN.scalar_tensor.def
             _ATEN.clone.default, _ATEN._to_copy.default, _ATEN.zeros_like.default,
             _ATEN.ones_like.default, _ATEN.full_like.default, torch.ops.prims.iota.default,
             _ATEN.arange.start_step, _ATEN.arange.default, _ATEN.gather.default, _ATEN.index.Tensor,
-            _ATEN.constant_pad_nd.default}
+            _ATEN.constant_pad_nd.default, _ATEN.slice_scatter.default}
 _VIEWS = {_ATEN._unsafe_view.default, _ATEN.reshape.default}
 # Inductor's lowering gives a pointwise value a buffer, rather than computing it again in each of
 # several readers, where its inlined chain holds one of these ops on CPU, more than
@@ -311,7 +311,7 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
 
     def same_index(arg: fx.Node, numel: int) -> list[Value]:
         """The buffers `arg` reads at the same element index as a result of `numel` elements."""
-        if _is_view(arg) and arg.target not in _VIEWS and arg.target is not _ATEN.view.default:
+        if _moves_elements(arg):
             return []             # a permute, an expand, a slice: another index
         if _is_view(arg) or arg.name in fused:
             return _union(same_index(a, numel) for a in arg.all_input_nodes)
@@ -339,7 +339,7 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
         elif _is_view(n) or n.name in fused:
             reads[n] = _union(reads[a] for a in n.all_input_nodes)
             access[n] = frozenset().union(*(access[a] for a in n.all_input_nodes))
-            if _is_view(n) and n.target not in _VIEWS and n.target is not _ATEN.view.default:
+            if _moves_elements(n):
                 moved = (str(n.target), repr([a for a in n.args[1:] if not isinstance(a, fx.Node)]))
                 access[n] = frozenset((buffer, path + (moved,)) for buffer, path in access[n])
             elif n.target in _GATHERS and isinstance(n.args[0], fx.Node):   # elements its index picks
@@ -573,9 +573,51 @@ def _union(groups) -> list[Value]:
 
 def _writes_in_place(node: fx.Node) -> bool:
     """A kernel Inductor generates that writes each element where it reads its inputs (a
-    pointwise op or a copy): it may write over an input it reads last."""
+    pointwise op or a copy; a slice_scatter whose slice starts at its output's first element,
+    as the gradient of `logits[:, :-1]` for one sequence): it may write over an input it reads
+    last."""
     return node.op == "call_function" and (torch.Tag.pointwise in getattr(node.target, "tags", ())
-                                           or node.target in _COPIES)
+                                           or node.target in _COPIES or _scatters_at_its_index(node))
+
+
+def _slice_args(node: fx.Node, first: int) -> tuple:
+    """(dim, start, step) of a slice (`first`: the position of its dim argument)."""
+    args = list(node.args) + [None] * 4
+    dim = args[first] if args[first] is not None else node.kwargs.get("dim", 0)
+    start = args[first + 1] if args[first + 1] is not None else node.kwargs.get("start", 0)
+    step = args[first + 3] if args[first + 3] is not None else node.kwargs.get("step", 1)
+    return dim, start or 0, step
+
+
+def _keeps_index(node: fx.Node) -> bool:
+    """A slice from its base's first element, step 1, as contiguous as its base: its element i
+    is the base's element i (the rows `[:-1]` of one sequence), which Inductor reads at the
+    index it writes."""
+    if node.target is not _ATEN.slice.Tensor or not isinstance(node.args[0], fx.Node):
+        return False
+    _, start, step = _slice_args(node, 1)
+    val, base = node.meta.get("val"), node.args[0].meta.get("val")
+    return (start == 0 and step == 1 and isinstance(val, torch.Tensor) and isinstance(base, torch.Tensor)
+            and val.is_contiguous() and base.is_contiguous())
+
+
+def _scatters_at_its_index(node: fx.Node) -> bool:
+    """A slice_scatter that writes its source at the source's own element index: its slice
+    starts at 0 and every dim before the sliced one has size 1."""
+    if node.target is not _ATEN.slice_scatter.default:
+        return False
+    dim, start, step = _slice_args(node, 2)
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or start != 0 or step != 1:
+        return False
+    dim = dim % val.dim()
+    return all(d == 1 for d in val.shape[:dim])
+
+
+def _moves_elements(node: fx.Node) -> bool:
+    """A view that reads its base at another index (a permute, an expand, most slices)."""
+    return (_is_view(node) and node.target not in _VIEWS and node.target is not _ATEN.view.default
+            and not _keeps_index(node))
 
 
 def step_peak(step: Step) -> int:
