@@ -61,6 +61,20 @@ def _rules(tmp_path, count: int):
     return [path]
 
 
+def _one_region_as_eager(model, inputs, rule_dir, count: int):
+    """Step `model` eagerly and compiled with CHUNK_RULE at `count` slices: exactly one region
+    is built, and the loss and gradients are eager's within 1e-4. Returns the region."""
+    want_loss, want_grads = _step(model, model, inputs)
+    remat = fx_backend.backend(rules=_rules(rule_dir, count))
+    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+    return region
+
+
 @settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tokens=st.integers(24, 96), vocab=st.integers(65, 300), chunks=st.sampled_from([2, 3, 5, 8]),
        ignored=st.integers(0, 8), reduction=st.sampled_from(["mean", "sum"]))
@@ -206,16 +220,9 @@ def test_a_softcap_between_the_reshapes_runs_in_the_slices(fresh_compiles, tmp_p
     torch.manual_seed(0)
     model = SoftcapHead(16, 300, 24, bias=bias)
     inputs = _softcap_inputs(2, 24, 16, 300)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
-    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path, 4)
     assert sum(region.chunks) == 48 and len(region.chunks) == 4
     assert region.elided and region.reshaped
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 def test_a_per_position_factor_between_the_reshapes_chunks_in_whole_batch_rows(fresh_compiles, tmp_path):
@@ -225,15 +232,8 @@ def test_a_per_position_factor_between_the_reshapes_chunks_in_whole_batch_rows(f
     torch.manual_seed(0)
     model = SoftcapHead(16, 300, 24, per_position=True)
     inputs = _softcap_inputs(4, 24, 16, 300)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
-    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path, 4)
     assert region.granule == 24 and region.chunks == [24] * 4 and not region.elided
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 class PerPositionThenCumsum(SoftcapHead):
@@ -283,16 +283,9 @@ def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batc
     seq = 24
     model = ShiftHead(16, 300, drop)
     inputs = _softcap_inputs(batch, seq, 16, 300)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path, count))
-    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path, count)
     assert region.granule == seq and sum(region.chunks) == batch * seq and len(region.chunks) == slices
     assert all(size % seq == 0 for size in region.chunks)
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 @settings(max_examples=5, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -305,20 +298,13 @@ def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_comp
     torch.manual_seed(0)
     model = ShiftHead(8, 96, drop)
     inputs = _softcap_inputs(batch, seq, 8, 96)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("shift"), count))
-    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path_factory.mktemp("shift"), count)
     if batch == 1:      # the sequence itself is sliced, the last (or first) slice a row short
         assert region.granule == 1 and region.edges == ((0, 1) if drop == "last" else (1, 0))
         assert sum(region.chunks) == seq and min(region.chunks) >= 1 + (drop == "last")
     else:               # whole batch rows
         assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
         assert len(region.chunks) == len(range(0, batch, -(-batch // min(count, batch))))
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 @pytest.mark.parametrize("drop, edges", [("last", (0, 1)), ("first", (1, 0))])
@@ -329,16 +315,8 @@ def test_a_label_shift_of_one_sequence_runs_a_row_short_at_its_edge(fresh_compil
     torch.manual_seed(0)
     model = ShiftHead(16, 300, drop)
     inputs = _softcap_inputs(1, 24, 16, 300)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
-    compiled = torch.compile(model, backend=remat)
-    loss, grads = _step(model, compiled, inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path, 4)
     assert region.chunks == [6, 6, 6, 6] and region.granule == 1 and region.edges == edges
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 class LossHead(nn.Module):
@@ -379,15 +357,8 @@ def test_losses_written_by_hand_chunk_and_match_eager(fresh_compiles, tmp_path, 
     torch.manual_seed(0)
     model = LossHead(loss)
     inputs = _softcap_inputs(4, 24, 16, 300)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
-    loss_value, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path, 4)
     assert region.granule == LOSS_GRANULES[loss] and len(region.chunks) == 4
-    assert relative_error(loss_value, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 class SliceThen(nn.Module):
@@ -416,18 +387,11 @@ def test_slices_along_the_chunk_dim_give_every_slice_its_rows(fresh_compiles, tm
     torch.manual_seed(0)
     model = SliceThen(lead, tail)
     inputs = (torch.randn(tokens, 8),)
-    want_loss, want_grads = _step(model, model, inputs)
-    remat = fx_backend.backend(rules=_rules(tmp_path_factory.mktemp("slice"), count))
-    loss, grads = _step(model, torch.compile(model, backend=remat), inputs)
-    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
-    [region] = remat.remat_pass.chunk_results[0].chunks
+    region = _one_region_as_eager(model, inputs, tmp_path_factory.mktemp("slice"), count)
     assert region.edges == (lead, tail) and sum(region.chunks) == tokens
     step = -(-tokens // min(count, tokens))
     assert region.chunks[0] > lead and region.chunks[-1] > tail and len(region.chunks) >= 2
     assert region.chunks[0] >= step and set(region.chunks[1:-1]) <= {step}
-    assert relative_error(loss, want_loss) <= 1e-4
-    for got, want in zip(grads, want_grads):
-        assert relative_error(got, want) <= 1e-4
 
 
 # Elementwise steps on (batch, seq, vocab) logits between the head's reshape and the loss's: the

@@ -332,7 +332,7 @@ def test_chunk_sizes_cover_the_dim_with_at_most_count_slices():
 def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     """A value with the chunked rows [lead:-tail] (a label shift's `logits[:-1]`): the first
     slice is longer than `lead`, the last longer than `tail`, and each slice holds its share."""
-    from engine.strategies.chunk import Rows, inner_bounds, slice_sizes
+    from engine.strategies.chunk import Rows, shifted_bounds, slice_sizes
 
     assert slice_sizes(10, 3, tail=1) == [4, 4, 2]
     assert slice_sizes(10, 3, tail=2) == [4, 6]           # a last slice of 2 holds none of [:-2]
@@ -342,6 +342,7 @@ def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     assert [shifted.span(a, b, 10) for a, b in [(0, 4), (4, 8), (8, 10)]] == [(0, 3), (3, 7), (7, 7)]
     assert Rows(unit=Fraction(1, 4)).span(8, 16, 32) == (2, 4)
     # a slice x[1:-2] in the slice [0, 4): the output's rows 1..3 of the input's 0..3
-    assert inner_bounds(Rows(), shifted, 0, 4, 10) == (1, 4)
-    assert inner_bounds(Rows(), shifted, 4, 8, 10) == (0, 4)
-    assert inner_bounds(Rows(), shifted, 6, 10, 10) == (0, 2)
+    assert shifted_bounds(Rows(), shifted, 0, 4, 10) == (1, 4)
+    assert shifted_bounds(Rows(), shifted, 4, 8, 10) == (0, 4)
+    assert shifted_bounds(Rows(), shifted, 6, 10, 10) == (0, 2)
+    assert shifted_bounds(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold

@@ -19,8 +19,8 @@ from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Att
                         Head, HeadThen, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs, _softcap_inputs)
 
 
-def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False):
-    exported = export_training_step(module, inputs)
+def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False, exporter: str = "make-fx"):
+    exported = export_training_step(module, inputs, exporter=exporter)
     rules = compile_text(rule_text.format(count=count), "chunk.rule")
     rewrite = apply_rules(import_model(exported.model), rules, unrolled=unrolled)
     outputs = run(export_model(rewrite.graph), exported.feeds)
@@ -83,15 +83,14 @@ def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop, batc
     torch.onnx's casts and reshapes."""
     torch.manual_seed(0)
     model = ShiftHead(16, 300, drop)
-    exported = export_training_step(model, _softcap_inputs(batch, 24, 16, 300), exporter=exporter)
-    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    exported, rewrite, outputs = _chunked(model, _softcap_inputs(batch, 24, 16, 300), CHUNK_RULE, 4,
+                                          exporter=exporter)
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
     [region] = rewrite.chunk_result.chunks
     if batch == 1:
         assert region.edges == ((0, 1) if drop == "last" else (1, 0)) and region.chunks == [6] * 4
         assert [n.op for n in rewrite.graph.nodes].count("Loop") == 2
     assert _largest_outside_loops(rewrite.graph) <= max(16, 6 * batch) * 300
-    outputs = run(export_model(rewrite.graph), exported.feeds)
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 
@@ -102,12 +101,11 @@ def test_losses_written_by_hand_run_in_loops_too(exporter, loss):
     """As on torch. torch.onnx writes the hand-written loss's gradient as a ScatterElements whose
     updates a CastLike also reads, for their type only: the Loop slices them once, for both."""
     torch.manual_seed(0)
-    exported = export_training_step(LossHead(loss), _softcap_inputs(4, 24, 16, 300), exporter=exporter)
-    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    exported, rewrite, outputs = _chunked(LossHead(loss), _softcap_inputs(4, 24, 16, 300), CHUNK_RULE, 4,
+                                          exporter=exporter)
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
     [region] = rewrite.chunk_result.chunks
     assert region.granule == LOSS_GRANULES[loss] and len(region.chunks) == 4
-    outputs = run(export_model(rewrite.graph), exported.feeds)
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 

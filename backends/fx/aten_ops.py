@@ -76,11 +76,9 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
     elif base in ("slice", "slice_scatter"):
         # ONNX Slice's parameters, as lists: one axis, from 0 to the end unless given
         # (keyword arguments by ATen's names; a symbolic bound stays as it is)
-        given = {key: out.pop(aten, out.get(key)) for key, aten in
-                 (("axes", "dim"), ("starts", "start"), ("ends", "end"), ("steps", "step"))}
-        defaults = {"axes": 0, "starts": 0, "ends": _END, "steps": 1}
+        given = {key: out.pop(aten, out.get(key)) for key, aten in _SLICE_NAMES}
         out.update({key: [int(v) if isinstance(v, int) else v]
-                    for key, v in ((k, defaults[k] if given[k] is None else given[k]) for k in defaults)})
+                    for key, v in ((k, SLICE_DEFAULTS[k] if given[k] is None else given[k]) for k in SLICE_DEFAULTS)})
     elif base == "permute" and "perm" in out:
         out["perm"] = [int(p) for p in out["perm"]]
     for key, default in EXPLICIT_DEFAULTS.get(base, {}).items():
@@ -90,6 +88,21 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
 
 REDUCTIONS = {"sum", "mean", "amax", "amin"}
 _END = 2**63 - 1        # ATen's and ONNX's "to the end" of a slice
+# A slice's parameters by their ONNX and ATen names, and ATen's defaults for them.
+_SLICE_NAMES = (("axes", "dim"), ("starts", "start"), ("ends", "end"), ("steps", "step"))
+SLICE_DEFAULTS = {"axes": 0, "starts": 0, "ends": _END, "steps": 1}
+
+
+def slice_arguments(base: str, args: tuple, kwargs: dict) -> tuple:
+    """(dim, start, end, step) of an ATen `slice` or `slice_scatter` call (`base`), by position
+    or keyword, ATen's defaults where not given."""
+    position = {name: k for k, name in ATTRIBUTE_ARGS[base].items()}
+    got = []
+    for key, aten in _SLICE_NAMES:
+        k = position[key]
+        v = args[k] if len(args) > k else kwargs.get(aten)
+        got.append(SLICE_DEFAULTS[key] if v is None else v)
+    return tuple(got)
 
 
 def _as_list(x) -> list:

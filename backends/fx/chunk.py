@@ -20,7 +20,9 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
-from engine.strategies.chunk import ChunkRegion, inner_bounds
+from engine.strategies.chunk import ChunkRegion, shifted_bounds
+
+from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
 
 aten = torch.ops.aten
 
@@ -31,9 +33,9 @@ _SHAPE_ARG = {aten.full.default: 0, aten.view.default: 1, aten._unsafe_view.defa
 
 
 # Slices along the chunk dim (the label shift of one sequence, `logits[:-1]`) and the gradient's
-# slice_scatter: (the input whose slice holds the rows the bounds pick from, the one whose rows
-# they pick); the bounds (dim, start, end, step) follow at argument 1 or 2.
-_SLICE_BOUNDS = {aten.slice.Tensor: (0, None, 1), aten.slice_scatter.default: (None, 1, 2)}
+# slice_scatter: (its ATen name, the argument whose rows the bounds pick from, the one whose rows
+# they pick; None: the node's output).
+_SLICE_BOUNDS = {aten.slice.Tensor: ("slice", 0, None), aten.slice_scatter.default: ("slice_scatter", None, 1)}
 
 
 def _along_chunk_dim(node: fx.Node, meta_of: dict) -> bool:
@@ -43,8 +45,7 @@ def _along_chunk_dim(node: fx.Node, meta_of: dict) -> bool:
 
 
 def _slice_dim(node: fx.Node) -> int:
-    _, _, at = _SLICE_BOUNDS[node.target]
-    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    dim = slice_arguments(_SLICE_BOUNDS[node.target][0], node.args, node.kwargs)[0]
     return dim % node.args[0].meta["val"].dim()
 
 
@@ -52,15 +53,16 @@ def _with_bounds(node: fx.Node, meta_of: dict, start: int, end: int, total: int,
                  env: dict[fx.Node, fx.Node], graph: fx.Graph) -> fx.Node:
     """Copy a slice along the chunk dim into the body of the slice [start, end): its bounds are
     where, in that slice, the rows of its output (a slice_scatter: of the value it writes) lie
-    among the rows of its input (a slice_scatter: of its output) (engine inner_bounds)."""
-    outer_arg, inner_arg, at = _SLICE_BOUNDS[node.target]
+    among the rows of its input (a slice_scatter: of its output) (engine shifted_bounds)."""
+    base, outer_arg, inner_arg = _SLICE_BOUNDS[node.target]
     outer = meta_of[node.args[outer_arg]] if outer_arg is not None else meta_of[node]
     inner = meta_of[node.args[inner_arg]] if inner_arg is not None else meta_of[node]
     copy = graph.node_copy(node, lambda x: env[x])
-    if not (outer.rows.shifted or inner.rows.shifted):
+    bounds = shifted_bounds(outer.rows, inner.rows, start, end, total)
+    if bounds is None:
         return copy         # it keeps every row (x[0:n]): its bounds hold for any slice
-    lo, hi = inner_bounds(outer.rows, inner.rows, start, end, total)
-    copy.args = (*copy.args[:at], _slice_dim(node), lo, hi, 1)
+    tensors = min(ATTRIBUTE_ARGS[base])       # the tensor arguments before the dim
+    copy.args = (*copy.args[:tensors], _slice_dim(node), *bounds, 1)
     copy.kwargs = {}
     return copy
 

@@ -49,6 +49,7 @@ from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
 from engine.shapes import evaluate
 
+from .aten_ops import slice_arguments
 from .importer import _DTYPES, PLAN, _dim
 from .modules import working_module
 
@@ -580,22 +581,13 @@ def _writes_in_place(node: fx.Node) -> bool:
                                            or node.target in _COPIES or _scatters_at_its_index(node))
 
 
-def _slice_args(node: fx.Node, first: int) -> tuple:
-    """(dim, start, step) of a slice (`first`: the position of its dim argument)."""
-    args = list(node.args) + [None] * 4
-    dim = args[first] if args[first] is not None else node.kwargs.get("dim", 0)
-    start = args[first + 1] if args[first + 1] is not None else node.kwargs.get("start", 0)
-    step = args[first + 3] if args[first + 3] is not None else node.kwargs.get("step", 1)
-    return dim, start or 0, step
-
-
 def _keeps_index(node: fx.Node) -> bool:
     """A slice from its base's first element, step 1, as contiguous as its base: its element i
     is the base's element i (the rows `[:-1]` of one sequence), which Inductor reads at the
     index it writes."""
     if node.target is not _ATEN.slice.Tensor or not isinstance(node.args[0], fx.Node):
         return False
-    _, start, step = _slice_args(node, 1)
+    _, start, _, step = slice_arguments("slice", node.args, node.kwargs)
     val, base = node.meta.get("val"), node.args[0].meta.get("val")
     return (start == 0 and step == 1 and isinstance(val, torch.Tensor) and isinstance(base, torch.Tensor)
             and val.is_contiguous() and base.is_contiguous())
@@ -606,7 +598,7 @@ def _scatters_at_its_index(node: fx.Node) -> bool:
     starts at 0 and every dim before the sliced one has size 1."""
     if node.target is not _ATEN.slice_scatter.default:
         return False
-    dim, start, step = _slice_args(node, 2)
+    dim, start, _, step = slice_arguments("slice_scatter", node.args, node.kwargs)
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or start != 0 or step != 1:
         return False

@@ -30,7 +30,7 @@ from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.shapes import Dim, simplify
-from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, inner_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
 
 from .formulas import DimEmitter
 
@@ -352,14 +352,12 @@ def _groups(region: ChunkRegion) -> list[tuple[int, int, int]]:
 
 def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tuple[int, int, int] | None:
     """(the chunk dim, then where the rows of `inner` lie among those of `outer` in the slices
-    of `run`, engine inner_bounds), for a slice or pad that shifts the chunk dim's rows; None
+    of `run`, engine shifted_bounds), for a slice or pad that shifts the chunk dim's rows; None
     for one that does not (its bounds on it are the whole slice whatever its size, or it works
     along other dims)."""
     o, i = region.meta_of(outer), region.meta_of(inner)
-    if not (o.rows.shifted or i.rows.shifted):
-        return None
-    lo, hi = inner_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total)
-    return o.dim % _rank(outer), lo, hi
+    bounds = shifted_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total)
+    return None if bounds is None else (o.dim % _rank(outer), *bounds)
 
 
 def _ints_input(node: Node, k: int, name: str) -> list[int]:

@@ -54,7 +54,7 @@ from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static
-from .kinds import DTYPE_ONLY, TYPE_ONLY, Refused, dim_map, norm_dim, rank_of, same_size
+from .kinds import DTYPE_ONLY, TYPE_ONLY, Refused, attr_text, dim_map, norm_dim, rank_of, same_size
 from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
@@ -97,10 +97,6 @@ def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None
         if j > shared or (dim is not None and len(like.shape) - j == dim):
             return False
     return True
-
-
-def _text(attr: Any) -> str:
-    return attr.decode() if isinstance(attr, bytes) else str(attr)
 
 
 def _read_text(meta: ChunkMeta) -> str:
@@ -476,7 +472,7 @@ class _Grower:
             raise Refused(f"{op} {node.name} pads the incoming gradient with something other than zeros")
         if kind == "scatter_elements" and (
                 flags[1] or not all(flags[i] or _zero(inputs[i]) for i in (0, 2) if i < len(inputs))
-                or _text(node.attrs.get("reduction", "none")) not in ("none", "add")):
+                or attr_text(node.attrs.get("reduction", "none")) not in ("none", "add")):
             raise Refused(f"{op} {node.name} scatters the incoming gradient into, or with, a value other than zeros")
         if node.op_type == "Where":
             if flags[0] or not all(flags[i] or _zero(inputs[i]) for i in (1, 2)):

@@ -97,58 +97,64 @@ def _int_list(x: Any) -> list[int] | None:
         return None
 
 
+def attr_text(attr: Any) -> str:
+    """A string attribute as text (ONNX stores them as bytes)."""
+    return attr.decode() if isinstance(attr, bytes) else str(attr)
+
+
 def _param(node: Node, name: str) -> Any:
     """An attribute by its ONNX name (importers spell every backend's arguments that way)."""
     return node.attrs.get(name)
 
 
+def _ints(node: Node, inputs: list[Value], name: str, position: int | None = None) -> list[int] | None:
+    """An int-list parameter by its ONNX name: the attribute, or, in the opsets that made it an
+    input, the constant input at `position`; None where neither is known."""
+    got = _int_list(_param(node, name))
+    if got is None and position is not None and len(inputs) > position:
+        got = inputs[position].ints
+    return got
+
+
 def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
     """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
-    axes = _int_list(_param(node, "axes"))
+    axes = _ints(node, inputs, "axes", 1)
     if axes is None and len(inputs) > 1:
-        axes = inputs[1].ints
-        if axes is None:
-            raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
+        raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
     return axes
 
 
-def _slice_axes(node: Node, inputs: list[Value], rank: int, first: int | None) -> set[int]:
-    """The axes a slice works along: the `axes` attribute, or ONNX Slice's constant input
-    `first` (absent: the first len(starts) dims)."""
-    axes = _int_list(_param(node, "axes"))
-    if axes is None and first is not None:
-        if len(inputs) > first:
-            axes = inputs[first].ints
-            if axes is None:
-                raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
-        else:
-            starts = _int_list(_param(node, "starts")) or (inputs[1].ints if len(inputs) > 1 else None)
-            if starts is None:
-                raise Refused(f"{node.op} {node.name}: its starts are computed, not constant")
-            axes = list(range(len(starts)))
+# ONNX Slice's inputs from opset 10 (data, starts, ends, axes, steps): where its parameters are
+# when they are not attributes.
+_SLICE_INPUTS = {"starts": 1, "ends": 2, "axes": 3, "steps": 4}
+
+
+def _slice_axes(node: Node, inputs: list[Value], rank: int, onnx_inputs: bool) -> set[int]:
+    """The axes a slice works along: the `axes` attribute, or with `onnx_inputs` (ONNX Slice)
+    its constant input (absent: the first len(starts) dims)."""
+    at = _SLICE_INPUTS if onnx_inputs else {}
+    axes = _ints(node, inputs, "axes", at.get("axes"))
+    if axes is None and onnx_inputs:
+        if len(inputs) > at["axes"]:
+            raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
+        starts = _ints(node, inputs, "starts", at["starts"])
+        if starts is None:
+            raise Refused(f"{node.op} {node.name}: its starts are computed, not constant")
+        axes = list(range(len(starts)))
     if axes is None:
         raise Refused(f"{node.op} {node.name} names no axes")
     return {norm_dim(a, rank) for a in axes}
 
 
 def _slice_bounds(node: Node, inputs: list[Value], rank: int, size: Any,
-                  first: int | None) -> dict[int, tuple[int, int]]:
+                  onnx_inputs: bool) -> dict[int, tuple[int, int]]:
     """Axis -> (rows dropped at its start, rows dropped at its end) for the axes a slice
     takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`): its
-    `starts`, `ends`, `axes` and `steps` as attributes or, from ONNX Slice's input `first`
-    (its starts) on, constant inputs."""
-    def read(name: str, position: int | None) -> list[int] | None:
-        got = _int_list(_param(node, name))
-        if got is None and position is not None and len(inputs) > position:
-            got = inputs[position].ints
-        return got
-
-    starts = read("starts", first)
-    ends = read("ends", None if first is None else first + 1)
-    steps = read("steps", None if first is None else first + 3)
-    listed = _int_list(_param(node, "axes"))
-    if listed is None and first is not None and len(inputs) > first + 2:
-        listed = inputs[first + 2].ints
+    `starts`, `ends`, `axes` and `steps` as attributes or, with `onnx_inputs` (ONNX Slice),
+    constant inputs."""
+    at = _SLICE_INPUTS if onnx_inputs else {}
+    starts, ends, steps, listed = (_ints(node, inputs, name, at.get(name))
+                                   for name in ("starts", "ends", "steps", "axes"))
     if starts is None or ends is None or len(starts) != len(ends):
         return {}
     listed = list(range(len(starts))) if listed is None else listed
@@ -295,12 +301,12 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         return DimMap([reshape_map(src, out.shape)],
                       regrouped={(0, i): g for i, g in regrouped_dims(src, out.shape).items()})
     if kind == "slice":
-        axes = _slice_axes(node, inputs, rank, first=3)
-        bounds = _slice_bounds(node, inputs, rank, lambda a: inputs[0].shape[a], first=1)
+        axes = _slice_axes(node, inputs, rank, onnx_inputs=True)
+        bounds = _slice_bounds(node, inputs, rank, lambda a: inputs[0].shape[a], onnx_inputs=True)
         return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes},
                       shifted={(0, a): (a, lead, tail) for a, (lead, tail) in bounds.items()})
     if kind == "pad":
-        pads = _int_list(_param(node, "pads")) or (inputs[1].ints if len(inputs) > 1 else None)
+        pads = _ints(node, inputs, "pads", 1)
         axes = inputs[3].ints if len(inputs) > 3 else list(range(rank))
         if pads is None or axes is None:
             raise Refused(f"{node.op} {node.name}: its pads are computed, not constant")
@@ -309,9 +315,9 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         return DimMap([{o: o for o in range(rank) if o not in padded}], blocked={(0, a) for a in padded},
                       shifted={(0, a): (a, -before, -after) for a, (before, after) in padded.items()})
     if kind == "slice_scatter":
-        axes = _slice_axes(node, inputs, rank, first=None)
+        axes = _slice_axes(node, inputs, rank, onnx_inputs=False)
         kept = {o: o for o in range(rank) if o not in axes}
-        bounds = _slice_bounds(node, inputs, rank, lambda a: out.shape[a], first=None)
+        bounds = _slice_bounds(node, inputs, rank, lambda a: out.shape[a], onnx_inputs=False)
         # the output has the rows of the value written into (input 0); the slice written is
         # the rows between `lead` and `tail` of it
         return DimMap([{**kept, **{a: a for a in bounds}}, dict(kept)],
@@ -364,8 +370,7 @@ def _nll_loss_map(node: Node, inputs: list[Value]) -> DimMap:
     if r < 2 or rank_of(inputs[1]) != r - 1:
         raise Refused(f"{node.op} {node.name}: an input of rank {r} with a target of rank "
                       f"{rank_of(inputs[1])}, not one less")
-    reduction = _param(node, "reduction") or "mean"
-    reduction = reduction.decode() if isinstance(reduction, bytes) else str(reduction)
+    reduction = attr_text(_param(node, "reduction") or "mean")
     target_dims = {0: 0, **{d: d - 1 for d in range(2, r)}}     # input dim -> target dim
     blocked = {(0, 1)}
     # SoftmaxCrossEntropyLoss's log_prob has the input's dims (not a total weight, a scalar)

@@ -84,11 +84,14 @@ class Rows:
         return int(scaled)
 
 
-def inner_bounds(outer: "Rows", inner: "Rows", start: int, end: int, size: int) -> tuple[int, int]:
+def shifted_bounds(outer: "Rows", inner: "Rows", start: int, end: int, size: int) -> tuple[int, int] | None:
     """Where, in a slice [start, end) of the chunked value, the rows `inner` has lie among the
     rows `outer` has, as positions in outer's slice: a slice op's bounds in its input's slice
     (outer the input, inner the output), a slice_scatter's in its output's, a pad's in its
-    output's (what lies around them is padding)."""
+    output's (what lies around them is padding). None where neither is shifted: the op keeps
+    every row, and its own bounds hold in any slice."""
+    if not (outer.shifted or inner.shifted):
+        return None
     o_lo, _ = outer.window(start, end, size)
     i_lo, i_hi = inner.window(start, end, size)
     return i_lo - o_lo, i_hi - o_lo
