@@ -428,6 +428,9 @@ def test_the_fuzz_graphs_are_training_graphs_the_rules_fire_on():
 @example(text=FIRING.replace("approximate=\"none\"", "axis=\"last\""))
 @example(text="use std.ops\nrule r {\n match {\n y = Gelu(x)\n require " + "not " * 254 + "saved(y)\n }\n"
               " rewrite { recompute y }\n}\n")
+# a chunk dim out of range for a rank-0 capture: refused, once also by the regrow without skipping
+@example(text="use std.ops\nrule r0 {\n  match {\n    y = Expand(x, xs...)\n  }\n  rewrite {\n"
+              "    chunk over x along 0 into bytes(x)\n  }\n}\n")
 def test_rule_files_compile_or_fail_cleanly_and_run_cleanly(text):
     ruleset = _compile(text)
     if ruleset is not None:

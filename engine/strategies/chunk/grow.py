@@ -704,8 +704,9 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     # (a z-loss's logsumexp over (batch, seq, vocab)), the region grows again without skipping,
     # in whole rows of the reshape's groups (ChunkRegion.granule).
     for elide in (True, False):
-        grower = _Grower(match, action, ctx, elide=elide)
+        grower = None
         try:
+            grower = _Grower(match, action, ctx, elide=elide)
             try:
                 return grower.grow(action)
             except _TwoPhases:
@@ -713,6 +714,6 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
                 return grower.grow(action)
         except Refused as e:
             refused = refused or e
-            if not grower.elided:
+            if grower is None or not grower.elided:
                 break           # nothing was skipped: growing again would refuse alike
     return Reason(action.location, str(refused))
