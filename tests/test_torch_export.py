@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +14,7 @@ from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import export_gpt  # noqa: E402
 from dsl.loader import load_rules  # noqa: E402
 from engine.apply import apply, plan  # noqa: E402
+from engine.errors import RematError  # noqa: E402
 from engine.report import plan_json  # noqa: E402
 
 TINY = GPTConfig(vocab=512, d_model=64, layers=2, heads=4, seq=128, batch=4)
@@ -117,6 +119,50 @@ def test_a_broadcast_copy_into_a_column_exports(tmp_path, exporter):
     _, check = export_checked(_ShiftRight(), (torch.randint(0, 16, (4, 8)),), tmp_path / "shift.onnx", ["ids"], exporter=exporter)
     assert check.error < 1e-4
 
+
+
+class _LoRA(torch.nn.Module):
+    """LoRA fine-tuning as PEFT writes it: the base weights (and the embedding) frozen, a trainable
+    low-rank update beside the frozen linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8).requires_grad_(False)
+        self.base = torch.nn.Linear(8, 16).requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(2, 8) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(16, 2) * 0.1)
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, ids, targets):
+        x = self.embedding(ids)
+        x = self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+        return torch.nn.functional.cross_entropy(self.head(torch.tanh(x)).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_frozen_parameters_are_inputs_without_gradients(tmp_path, exporter):
+    """A frozen parameter is fed like the others, but the step computes no gradient for it, as the
+    user's step does not: the export wrote every frozen weight's gradient until it read
+    `requires_grad` (on LoRA the frozen weights' gradients are most of the step's work)."""
+    from backends.onnx.torch_export import export_checked
+
+    torch.manual_seed(0)
+    ids, targets = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
+    path, check = export_checked(_LoRA(), (ids, targets), tmp_path / "lora.onnx", ["ids", "targets"],
+                                 exporter=exporter)
+    model = onnx.load(str(path))
+    assert [o.name for o in model.graph.output] == ["loss", "grad.lora_a", "grad.lora_b", "grad.head_weight",
+                                                    "grad.head_bias"]
+    assert {"embedding_weight", "base_weight", "base_bias"} <= {i.name for i in model.graph.input}
+    assert check.error < 1e-4
+
+
+def test_a_module_with_every_parameter_frozen_is_refused():
+    from backends.onnx.torch_export import export_training_step
+
+    module = _LoRA().requires_grad_(False)
+    with pytest.raises(RematError, match="no parameters that require a gradient"):
+        export_training_step(module, (torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))))
 
 def _linear_relu_step():
     from backends.onnx.torch_export import export_training_step

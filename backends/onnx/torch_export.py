@@ -90,12 +90,12 @@ class _MaskedDropout:
         return input * mask / (1 - p)
 
 
-def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
+def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int, trainable: list[bool]):
     def step(*args):
         inputs, params = args[:n_inputs], args[n_inputs:]
-        params = [p.requires_grad_(True) for p in params]
+        params = [p.requires_grad_(True) if learn else p for p, learn in zip(params, trainable)]
         loss = functional_call(module, dict(zip(names, params)), tuple(inputs))
-        grads = torch.autograd.grad(loss, params)
+        grads = torch.autograd.grad(loss, [p for p, learn in zip(params, trainable) if learn])
         return (loss, *grads)
 
     return step
@@ -103,12 +103,32 @@ def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int):
 
 @dataclass
 class TracedStep:
-    """One training step traced to an ATen fx graph: inputs, then parameters, in; (loss, *grads) out."""
+    """One training step traced to an ATen fx graph: inputs, then every parameter, in; (loss,
+    *grads) out, a gradient for each parameter that requires one (`trainable`). A frozen
+    parameter (LoRA's base weights, a frozen embedding) is an input like the others, but the
+    step computes no gradient for it, as the user's own step does not: exporting one would add
+    the frozen weights' gradients (the head's is vocab x d) to the work and to the peak."""
 
     graph: torch.nn.Module          # a GraphModule, or the joint graph wrapped as a step
     step: Callable
     names: list[str]
     params: list[torch.Tensor]
+    trainable: list[bool]
+
+    @property
+    def grad_names(self) -> list[str]:
+        return [n for n, learn in zip(self.names, self.trainable) if learn]
+
+
+def _parameters(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], list[bool]]:
+    """The module's parameters as the step takes them: names, detached copies, and which of them
+    require a gradient (at least one must)."""
+    named = list(module.named_parameters())
+    trainable = [p.requires_grad for _, p in named]
+    if not any(trainable):
+        raise RematError("the module has no parameters that require a gradient: there is no training "
+                         "step to export")
+    return [n for n, _ in named], [p.detach().clone() for _, p in named], trainable
 
 
 def _native_dropout(input, p=0.5, training=True, inplace=False):
@@ -175,15 +195,14 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
                         symbolic: bool = False, written_out: tuple = ()) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
     decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md)."""
-    names = [n for n, _ in module.named_parameters()]
-    params = [p.detach().clone() for _, p in module.named_parameters()]
-    step = _step_fn(module, names, len(inputs))
+    names, params, trainable = _parameters(module)
+    step = _step_fn(module, names, len(inputs), trainable)
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
             graph = make_fx(step, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
                                                        **get_decompositions(list(written_out))},
                             tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
-    return TracedStep(graph, step, names, params)
+    return TracedStep(graph, step, names, params, trainable)
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -258,10 +277,12 @@ class _JointStep(torch.nn.Module):
     incoming gradient a constant one. The module's buffers are the joint graph's last inputs,
     held here (exported as constants)."""
 
-    def __init__(self, joint: torch.fx.GraphModule, n_inputs: int, buffers: list[torch.Tensor]):
+    def __init__(self, joint: torch.fx.GraphModule, n_inputs: int, buffers: list[torch.Tensor],
+                 trainable: list[bool]):
         super().__init__()
         self.joint = joint
         self.n_inputs = n_inputs
+        self.trainable = trainable
         self.n_buffers = len(buffers)
         for k, buffer in enumerate(buffers):
             self.register_buffer(f"buffer{k}", buffer)
@@ -269,7 +290,8 @@ class _JointStep(torch.nn.Module):
     def forward(self, *args):
         buffers = [getattr(self, f"buffer{k}") for k in range(self.n_buffers)]
         (loss,), grads = self.joint([*args, *buffers], [torch.ones((), dtype=torch.float32)])
-        return (loss, *grads[self.n_inputs:len(args)])
+        # AOTAutograd gives None for an input that needs no gradient (a frozen parameter).
+        return (loss, *(g for g, learn in zip(grads[self.n_inputs:len(args)], self.trainable) if learn))
 
 
 def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -277,8 +299,7 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     """AOTAutograd's joint graph of `module(*inputs) -> loss` (forward and backward), as a step."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
 
-    names = [n for n, _ in module.named_parameters()]
-    params = [p.detach().clone() for _, p in module.named_parameters()]
+    names, params, trainable = _parameters(module)
     n_inputs, n_params = len(inputs), len(params)
     # Buffers (rotary frequencies, position ids) are inputs too: a module's own tensor would be
     # a real tensor inside AOTAutograd's fake-tensor trace, which refuses it.
@@ -291,10 +312,12 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
         return (functional_call(module, tensors, tuple(args[:n_inputs])),)
 
     with _traceable():
-        joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(True) for p in params),
+        joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(learn)
+                                                             for p, learn in zip(params, trainable)),
                                                   *buffers], trace_joint=True,
                                         decompositions={**_DECOMPOSITIONS, **get_decompositions(list(written_out))})
-    return TracedStep(_JointStep(joint, n_inputs, buffers), _step_fn(module, names, n_inputs), names, params)
+    return TracedStep(_JointStep(joint, n_inputs, buffers, trainable), _step_fn(module, names, n_inputs, trainable),
+                      names, params, trainable)
 
 
 def _clean(name: str) -> str:
@@ -323,7 +346,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         traced = trace_joint_step(module, inputs, written_out)
     else:
         traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims), written_out=written_out)
-    names, params, step = traced.names, traced.params, traced.step
+    names, params, step, grad_names = traced.names, traced.params, traced.step, traced.grad_names
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
     dynamic_shapes = None
@@ -343,7 +366,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
             input_names=[*input_names, *(_clean(n) for n in names)],
-            output_names=["loss", *(f"grad.{_clean(n)}" for n in names)])
+            output_names=["loss", *(f"grad.{_clean(n)}" for n in grad_names)])
     model = program.model_proto
     onnx.helper.set_model_props(model, {
         FORWARD_OUTPUTS_KEY: json.dumps(["loss"]),
@@ -351,7 +374,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     })
     feeds = {n: t.detach().numpy() for n, t in zip([*input_names, *(_clean(n) for n in names)],
                                                    [*inputs, *params])}
-    output_names = ["loss", *(f"grad.{_clean(n)}" for n in names)]
+    output_names = ["loss", *(f"grad.{_clean(n)}" for n in grad_names)]
 
     def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
         # With dropout, attention's too is drawn through F.dropout, in the exported graph's order.
