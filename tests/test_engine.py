@@ -329,6 +329,26 @@ def test_chunk_sizes_cover_the_dim_with_at_most_count_slices():
         slice_sizes(sympy.Symbol("n", positive=True, integer=True), 4)
 
 
+
+def test_onnx_parameters_keep_their_places_past_an_absent_optional_input():
+    """ONNX writes an optional input it leaves out as "" and keeps the later ones in place:
+    `Slice(x, starts, ends, "", steps)` slices the first len(starts) axes, `Pad(x, pads, "",
+    axes)` pads `axes`. Read by the node's present inputs, the Slice's steps ([1]) were its axes
+    (dim 1 sliced, dim 0 carried whole: a silently wrong region) and the Pad's axes were missed."""
+    from engine.strategies.chunk.kinds import dim_map
+
+    def ints(name, values):
+        return Value(name, shape=(len(values),), ints=list(values))
+
+    x = Value("x", shape=(8, 16))
+    cut = Node("Slice", [x, ints("starts", [0]), ints("ends", [7]), None, ints("steps", [1])],
+               [Value("y", shape=(7, 16))], name="shift")
+    dm = dim_map(cut, "slice")
+    assert dm.maps[0] == {1: 1} and dm.blocked == {(0, 0)} and dm.shifted == {(0, 0): (0, 0, 1)}
+    pad = Node("Pad", [x, ints("pads", [1, 0]), None, ints("axes", [0])], [Value("z", shape=(9, 16))], name="grad")
+    dm = dim_map(pad, "pad")
+    assert dm.maps[0] == {1: 1} and dm.shifted == {(0, 0): (0, -1, 0)}
+
 def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     """A value with the chunked rows [lead:-tail] (a label shift's `logits[:-1]`): the first
     slice is longer than `lead`, the last longer than `tail`, and each slice holds its share."""

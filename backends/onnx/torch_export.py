@@ -38,6 +38,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from engine.errors import RematError
+from engine.strategies.chunk.kinds import slice_range
 
 from .exporters import EXPORTERS, one_line
 from .importer import DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY
@@ -256,8 +257,7 @@ def _slice_backward(grad_output, input_sizes, dim: int, start: int, end: int, st
     if step != 1:
         return NotImplemented
     size = input_sizes[dim]
-    start = min(max(start + size if start < 0 else start, 0), size)
-    end = min(max(end + size if end < 0 else end, start), size)
+    start, end = slice_range(start, end, size)
     rank = len(input_sizes)
     dim = dim % rank
     pad = [0, 0] * (rank - 1 - dim) + [start, size - end]

@@ -107,19 +107,30 @@ def _param(node: Node, name: str) -> Any:
     return node.attrs.get(name)
 
 
-def _ints(node: Node, inputs: list[Value], name: str, position: int | None = None) -> list[int] | None:
+def _operand(node: Node, position: int | None) -> Value | None:
+    """The node's input at `position` of its op's signature, None where it is absent. ONNX keeps
+    the place of an optional input left out (`Slice(x, starts, ends, "", steps)`, `Pad(x, pads,
+    "", axes)`), so parameters are read from the node's own inputs, never from its present ones,
+    where a later input would take an absent one's place (a Slice's steps read as its axes)."""
+    if position is None or len(node.inputs) <= position:
+        return None
+    return node.inputs[position]
+
+
+def _ints(node: Node, name: str, position: int | None = None) -> list[int] | None:
     """An int-list parameter by its ONNX name: the attribute, or, in the opsets that made it an
     input, the constant input at `position`; None where neither is known."""
     got = _int_list(_param(node, name))
-    if got is None and position is not None and len(inputs) > position:
-        got = inputs[position].ints
+    operand = _operand(node, position)
+    if got is None and operand is not None:
+        got = operand.ints
     return got
 
 
-def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
+def _axes(node: Node) -> list[int] | None:
     """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
-    axes = _ints(node, inputs, "axes", 1)
-    if axes is None and len(inputs) > 1:
+    axes = _ints(node, "axes", 1)
+    if axes is None and _operand(node, 1) is not None:
         raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
     return axes
 
@@ -129,15 +140,15 @@ def _axes(node: Node, inputs: list[Value]) -> list[int] | None:
 _SLICE_INPUTS = {"starts": 1, "ends": 2, "axes": 3, "steps": 4}
 
 
-def _slice_axes(node: Node, inputs: list[Value], rank: int, onnx_inputs: bool) -> set[int]:
+def _slice_axes(node: Node, rank: int, onnx_inputs: bool) -> set[int]:
     """The axes a slice works along: the `axes` attribute, or with `onnx_inputs` (ONNX Slice)
     its constant input (absent: the first len(starts) dims)."""
     at = _SLICE_INPUTS if onnx_inputs else {}
-    axes = _ints(node, inputs, "axes", at.get("axes"))
+    axes = _ints(node, "axes", at.get("axes"))
     if axes is None and onnx_inputs:
-        if len(inputs) > at["axes"]:
+        if _operand(node, at["axes"]) is not None:
             raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
-        starts = _ints(node, inputs, "starts", at["starts"])
+        starts = _ints(node, "starts", at["starts"])
         if starts is None:
             raise Refused(f"{node.op} {node.name}: its starts are computed, not constant")
         axes = list(range(len(starts)))
@@ -146,14 +157,20 @@ def _slice_axes(node: Node, inputs: list[Value], rank: int, onnx_inputs: bool) -
     return {norm_dim(a, rank) for a in axes}
 
 
-def _slice_bounds(node: Node, inputs: list[Value], rank: int, size: Any,
-                  onnx_inputs: bool) -> dict[int, tuple[int, int]]:
+def slice_range(start: int, end: int, size: int) -> tuple[int, int]:
+    """The rows [start, end) a step-1 slice takes of `size`, its bounds as Python and ONNX read
+    them: negative from the end, clamped to the size, an end before the start an empty slice."""
+    start, end = (min(max(b + size if b < 0 else b, 0), size) for b in (start, end))
+    return start, max(end, start)
+
+
+def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[int, tuple[int, int]]:
     """Axis -> (rows dropped at its start, rows dropped at its end) for the axes a slice
     takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`): its
     `starts`, `ends`, `axes` and `steps` as attributes or, with `onnx_inputs` (ONNX Slice),
     constant inputs."""
     at = _SLICE_INPUTS if onnx_inputs else {}
-    starts, ends, steps, listed = (_ints(node, inputs, name, at.get(name))
+    starts, ends, steps, listed = (_ints(node, name, at.get(name))
                                    for name in ("starts", "ends", "steps", "axes"))
     if starts is None or ends is None or len(starts) != len(ends):
         return {}
@@ -164,8 +181,8 @@ def _slice_bounds(node: Node, inputs: list[Value], rank: int, size: Any,
         n = size(axis)
         if not isinstance(n, int) or k >= len(starts) or (steps is not None and steps[k] != 1):
             continue
-        start, end = (min(max(b + n if b < 0 else b, 0), n) for b in (starts[k], ends[k]))
-        found[axis] = (start, n - max(end, start))
+        start, end = slice_range(starts[k], ends[k], n)
+        found[axis] = (start, n - end)
     return found
 
 
@@ -301,13 +318,13 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         return DimMap([reshape_map(src, out.shape)],
                       regrouped={(0, i): g for i, g in regrouped_dims(src, out.shape).items()})
     if kind == "slice":
-        axes = _slice_axes(node, inputs, rank, onnx_inputs=True)
-        bounds = _slice_bounds(node, inputs, rank, lambda a: inputs[0].shape[a], onnx_inputs=True)
+        axes = _slice_axes(node, rank, onnx_inputs=True)
+        bounds = _slice_bounds(node, rank, lambda a: inputs[0].shape[a], onnx_inputs=True)
         return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes},
                       shifted={(0, a): (a, lead, tail) for a, (lead, tail) in bounds.items()})
     if kind == "pad":
-        pads = _ints(node, inputs, "pads", 1)
-        axes = inputs[3].ints if len(inputs) > 3 else list(range(rank))
+        pads = _ints(node, "pads", 1)
+        axes = _ints(node, "axes", 3) if _operand(node, 3) is not None else list(range(rank))
         if pads is None or axes is None:
             raise Refused(f"{node.op} {node.name}: its pads are computed, not constant")
         axes = [norm_dim(a, rank) for a in axes]
@@ -315,9 +332,9 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         return DimMap([{o: o for o in range(rank) if o not in padded}], blocked={(0, a) for a in padded},
                       shifted={(0, a): (a, -before, -after) for a, (before, after) in padded.items()})
     if kind == "slice_scatter":
-        axes = _slice_axes(node, inputs, rank, onnx_inputs=False)
+        axes = _slice_axes(node, rank, onnx_inputs=False)
         kept = {o: o for o in range(rank) if o not in axes}
-        bounds = _slice_bounds(node, inputs, rank, lambda a: out.shape[a], onnx_inputs=False)
+        bounds = _slice_bounds(node, rank, lambda a: out.shape[a], onnx_inputs=False)
         # the output has the rows of the value written into (input 0); the slice written is
         # the rows between `lead` and `tail` of it
         return DimMap([{**kept, **{a: a for a in bounds}}, dict(kept)],
@@ -331,7 +348,7 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
             axes = [norm_dim(-1 if axis is None else int(axis), r)]
             keep = True
         else:
-            axes = _axes(node, inputs)
+            axes = _axes(node)
             axes = list(range(r)) if not axes else [norm_dim(a, r) for a in axes]
             keepdims = _param(node, "keepdims")
             keep = rank == r if keepdims is None else bool(keepdims)
@@ -341,13 +358,13 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
             return DimMap([mapping], summed=[[(0, a)] for a in axes])
         return DimMap([mapping], blocked={(0, a) for a in axes})
     if kind == "unsqueeze":
-        axes = [norm_dim(a, rank) for a in _axes(node, inputs) or []]
+        axes = [norm_dim(a, rank) for a in _axes(node) or []]
         kept = [o for o in range(rank) if o not in axes]
         return DimMap([{o: i for i, o in enumerate(kept)}])
     if kind == "squeeze":
         src = inputs[0]
         r = rank_of(src)
-        axes = _axes(node, inputs)
+        axes = _axes(node)
         axes = [i for i in range(r) if same_size(src.shape[i], 1)] if axes is None else [norm_dim(a, r) for a in axes]
         kept = [i for i in range(r) if i not in axes]
         return DimMap([{o: i for o, i in enumerate(kept)}])
