@@ -366,3 +366,42 @@ def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     assert shifted_bounds(Rows(), shifted, 4, 8, 10) == (0, 4)
     assert shifted_bounds(Rows(), shifted, 6, 10, 10) == (0, 2)
     assert shifted_bounds(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold
+
+
+READ_TWICE_RULE = """use std.ops
+
+rule chunk_head {
+  match {
+    logits = MatMul(h, w)
+    require bytes(logits) >= 4 * bytes(h)
+  }
+  rewrite {
+    chunk over h along 0 into 4
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_an_outside_value_read_sliced_and_whole_in_one_region_is_refused(whole_first):
+    """The backends slice an input from outside a chunk region once for all the region's readers:
+    `z` read whole by `q @ z` and in rows by `q * z` cannot be both. Refused with the reader named,
+    whichever comes first (it was once registered for the first reader and the second silently
+    got the first's)."""
+    b = GraphBuilder()
+    h = b.input("h", shape=(32, 8))
+    w = b.input("w", shape=(8, 32), weight=True)
+    z = b.input("z", shape=(32, 32))
+    q = b.op("MatMul", [h, w], shape=(32, 32), name="q")
+    readers = [("MatMul", "m"), ("Mul", "a")]
+    outs = [b.op(op, [q, z], shape=(32, 32), name=name) for op, name in (readers if whole_first else readers[::-1])]
+    total = b.op("ReduceSum", [b.op("Add", outs, shape=(32, 32), name="s")], shape=(), name="r", keepdims=0)
+    planning = plan(b.graph([total]), compile_text(READ_TWICE_RULE, "chunk_head.rule"))
+    assert not planning.plans
+    [refusal] = planning.refusals
+    reason = str(refusal.reason)
+    assert reason.startswith("chunk_head.rule:9:5:"), reason
+    if whole_first:
+        assert "Mul n_a reads %z sliced along dim 0, where another node of the region reads it whole" in reason
+    else:
+        assert "MatMul n_m: its inputs are sliced along different dims" in reason
