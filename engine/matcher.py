@@ -47,6 +47,9 @@ class Reason:
 
     location: SourceLocation
     message: str
+    # A chunk region refused only because its sizes are symbolic (the graph serves every size)
+    # where the backend builds slices at static sizes: at fixed sizes it would chunk.
+    dynamic_sizes: bool = False
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}"

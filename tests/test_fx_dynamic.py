@@ -1,7 +1,8 @@
 """Dynamic shapes on the fx backend (issue 15): `torch.compile(backend="remat", dynamic=True)` and
 `mark_dynamic` compile the GPT-like model once for every sequence length, the recompute plans
 (the dropout's replay among them) apply with their savings formulas over the symbols, and the
-chunk plans, which the fx backend builds with static slice sizes only, are refused, not crashed."""
+chunk plans, which the fx backend builds with static slice sizes only, are refused, not crashed,
+and the user is told once; Dynamo's own switch to dynamic sizes at a second length is met the same way."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,7 +27,7 @@ def inputs_of(length: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
-def test_one_compile_serves_three_sequence_lengths(fresh_compiles, how):
+def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn, how):
     model = gpt(CFG)
     remat = fx_backend.backend()
     graphs = []
@@ -64,3 +65,26 @@ def test_one_compile_serves_three_sequence_lengths(fresh_compiles, how):
     refused = [r.reason.message for r in chunking.planning.refusals
                if r.match.rule.name == "chunk_linear_cross_entropy"]
     assert refused and all("static sizes only" in m for m in refused)
+    dynamic = [str(w.message) for w in recwarn if "sizes are dynamic" in str(w.message)]
+    assert len(dynamic) == 1 and "chunk_linear_cross_entropy" in dynamic[0] and "dynamic=False" in dynamic[0]
+
+
+def test_a_second_length_makes_dynamo_go_dynamic_and_the_user_is_told(fresh_compiles):
+    """What training on batches padded to their longest sequence does: the first length compiles
+    statically, chunked; at the second Dynamo recompiles with the length dynamic on its own
+    (automatic dynamic shapes), where the chunk plans cannot be built: one warning says so and how
+    to keep them."""
+    import warnings
+
+    model = gpt(CFG)
+    remat = fx_backend.backend()
+    compiled = torch.compile(model, backend=remat)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in LENGTHS[:2]:
+            loss, grads, _ = training_step(model, compiled, inputs_of(length))
+            want_loss, want_grads, _ = training_step(model, model, inputs_of(length))
+    assert remat.remat_pass.chunked >= 1 and len(remat.remat_pass.results) == 2
+    told = [str(w.message) for w in caught if "sizes are dynamic" in str(w.message)]
+    assert len(told) == 1 and told[0].startswith("remat: chunk_linear_cross_entropy")
+

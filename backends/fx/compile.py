@@ -181,6 +181,16 @@ def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
         env[node] = graph.node_copy(node, lambda n: env[n])
 
 
+# Dynamo makes a dim dynamic on its own when a second size reaches a compiled frame (its
+# automatic dynamic shapes): training on batches padded to their longest sequence loses the
+# chunk plans from the second batch on, which the user should hear of once, with the way out.
+DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (dynamic=True, "
+                  "mark_dynamic, or Dynamo's automatic dynamic shapes once a second input size "
+                  "arrives), and the torch backend builds chunk slices at static sizes; the "
+                  "recompute plans still apply. To keep the chunks, compile with dynamic=False and "
+                  "pad the inputs to a few lengths (a multiple of 256, say): each length compiles once")
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
                  report: Callable[[str], None] | None = None, strict: bool | None = None,
@@ -197,6 +207,7 @@ class RematPass(CustomGraphPass):
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
         self.failures: list[str] = []            # internal errors, each warned once
+        self.notices: list[str] = []             # what the user can act on (DYNAMIC_CHUNKS), each warned once
         if config is not None:
             parse_config(config)                 # a malformed config is the caller's error, now
         if config is not None and budget is not None:
@@ -242,6 +253,12 @@ class RematPass(CustomGraphPass):
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
             self.chunk_results.append(done.chunk_result)
+            dynamic = sorted({r.match.rule.name for r in done.chunk_result.planning.refusals
+                              if r.reason.dynamic_sizes})
+            notice = DYNAMIC_CHUNKS.format(rules=", ".join(dynamic))
+            if dynamic and notice not in self.notices:
+                self.notices.append(notice)
+                warnings.warn(notice, UserWarning, stacklevel=2)
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:

@@ -156,7 +156,10 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             outside_inputs: list[Value] = []
             for m in members:
                 for arg in _flat_nodes((m.args, m.kwargs)):
-                    if arg not in member_set and values[arg] not in outside_inputs:
+                    # A symbolic size (a dynamic graph's `rand([4, 4, s0, s0])` in a decomposed
+                    # dropout) is the group's shape arithmetic, not an operand of the op it folds
+                    # into: taken as one, it stood first, where the dropout's input belongs.
+                    if arg not in member_set and values[arg] not in outside_inputs and not _is_size(arg):
                         outside_inputs.append(values[arg])
             produced = [m for m in members if m in returned or any(u not in member_set for u in m.users)]
             outs = [_value(m.name, m.meta.get("val")) for m in produced]
@@ -228,6 +231,11 @@ def _folded_attributes(base: str, members: list[fx.Node]) -> dict:
                 if len(dims) == 1:
                     return {"axis": int(dims[0])}
     return {}
+
+
+def _is_size(node: fx.Node) -> bool:
+    """Whether an fx node's value is a size (an int or SymInt), not a tensor."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt)) and not isinstance(node.meta.get("val"), bool)
 
 
 def _dropout_ratio(members: list[fx.Node]) -> float | None:

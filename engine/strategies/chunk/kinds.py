@@ -67,6 +67,12 @@ class Refused(Exception):
     """A region cannot be chunked; the message names the op and why."""
 
 
+class RefusedDynamic(Refused):
+    """A region refused only because the chunked dim's size is symbolic (a graph compiled for
+    every size) where its slices must be built at static sizes: the same region at fixed sizes
+    would chunk (Reason.dynamic_sizes)."""
+
+
 @dataclass
 class DimMap:
     """How one node's output dims relate to its inputs' dims."""
