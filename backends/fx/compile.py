@@ -188,7 +188,8 @@ DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (d
                   "mark_dynamic, or Dynamo's automatic dynamic shapes once a second input size "
                   "arrives), and the torch backend builds chunk slices at static sizes; the "
                   "recompute plans still apply. To keep the chunks, compile with dynamic=False and "
-                  "pad the inputs to a few lengths (a multiple of 256, say): each length compiles once")
+                  "pad the inputs to a few lengths (a multiple of 256, say): each length compiles once, up to "
+                  "torch._dynamo.config.recompile_limit lengths")
 
 
 class RematPass(CustomGraphPass):
