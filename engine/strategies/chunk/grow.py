@@ -299,8 +299,14 @@ class _Grower:
                 raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, which it does not have")
             meta = ChunkMeta(r, rows=rows if r is not None else Rows())
             if r is not None and not same_size(v.shape[r], meta.rows.total(self.size)):
-                raise Refused(f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
-                              f"{v.shape[r]} is not the chunked size {meta.rows.total(self.size)}")
+                total = meta.rows.total(self.size)
+                # Two symbols for one size (Dynamo names the sizes of each graph piece anew):
+                # equal at the example sizes, where a static graph would have one number.
+                example = evaluate(total, self.examples)
+                alike = example is not None and evaluate(v.shape[r], self.examples) == example
+                raise (RefusedDynamic if alike else Refused)(
+                    f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size {v.shape[r]} "
+                    f"is not the chunked size {total}")
             self.read_outside(node, v, meta, i in DTYPE_ONLY.get(kind, ()))
         if need_sum and dm.mean:
             self.means.append(node)
