@@ -4,6 +4,7 @@ Every model's forward returns its scalar loss (or nanoGPT's (logits, loss)). `Va
 orthogonal switches: how the attention scores are scaled (a Python float, a tensor, q
 pre-scaled, einsum, baddbmm, SDPA, nn.MultiheadAttention) and masked, the norm, the MLP,
 grouped-query heads, rotary embeddings, biases, Dropout(0.0), in-place ops, tied embeddings,
+which parameters train (all, LoRA adapters, all but the embeddings),
 precision (fp32, explicit bfloat16 with an fp32 softmax, autocast), the loss and how the
 logits are computed, graph breaks, activation checkpointing, dynamic shapes; plus non-GPT
 models (an MLP, a conv net, torch's nn.TransformerEncoder). `build(variant)` makes the model
@@ -101,6 +102,10 @@ LOSSES = ("ce_mean",        # F.cross_entropy
 LOGITS = ("linear_module",  # nn.Linear head (tied: head.weight = tok.weight)
           "f_linear",       # F.linear(x, W)
           "matmul_t")       # x @ W.T
+TRAINS = ("full",           # every parameter trained
+          "lora",           # LoRA fine-tuning (PEFT): every parameter frozen, rank-8 adapters beside
+                            # the blocks' Linear layers the only ones trained
+          "frozen_embed")   # the token and position embeddings frozen (tied: the head's weight too)
 RETURNS = ("loss",          # forward returns the loss
            "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output
 
@@ -109,7 +114,7 @@ SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "
             "heads": HEADS, "rope": (False, True), "bias": (True, False), "dropout": (False, True),
             "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
-            "logits": LOGITS, "returns": RETURNS, "graph_break": (False, True), "checkpoint": (False, True),
+            "logits": LOGITS, "returns": RETURNS, "train": TRAINS, "graph_break": (False, True), "checkpoint": (False, True),
             "dynamic": (False, True)}
 
 # Loss and gradient tolerance (max |got - want| / max |want|). fp32: 1e-4, the issue's bar.
@@ -142,6 +147,7 @@ class Variant:
     loss: str = "ce_mean"
     logits: str = "linear_module"
     returns: str = "loss"
+    train: str = "full"             # which parameters require a gradient (TRAINS)
     graph_break: bool = False       # torch._dynamo.graph_break() between the blocks and the head
     checkpoint: bool = False        # each block through torch.utils.checkpoint (use_reentrant=False)
     dynamic: bool = False           # torch.compile(dynamic=True); the second step has another length
@@ -590,6 +596,36 @@ def make_inputs(variant: Variant, seed: int = 0, seq: int = SEQ):
     return idx, targets
 
 
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear with a trainable low-rank update beside it, as PEFT's LoRA writes it:
+    base(x) + (x @ A^T @ B^T) * alpha / r."""
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: int = 16):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(r, base.in_features) * 0.01)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, r) * 0.01)
+        self.scale = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
+
+
+def _freeze(model: nn.Module, train: str) -> None:
+    """What `Variant.train` trains: LoRA adapters in place of the blocks' Linear layers, the rest
+    frozen; or the embeddings frozen."""
+    if train == "frozen_embed":
+        model.tok.weight.requires_grad_(False)
+        model.pos.weight.requires_grad_(False)
+    elif train == "lora":
+        model.requires_grad_(False)
+        for block in model.blocks:
+            for module in list(block.modules()):
+                for name, child in list(module.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(module, name, LoRALinear(child))
+
+
 def build(variant: Variant, seed: int = 0):
     """The model (training mode, fixed seed) and its example inputs."""
     torch.manual_seed(seed)
@@ -601,6 +637,7 @@ def build(variant: Variant, seed: int = 0):
         model = TorchTransformer()
     else:
         model = GPT(variant)
+        _freeze(model, variant.train)
     return model.train(), make_inputs(variant, seed)
 
 
@@ -843,12 +880,15 @@ FIXED: list[Variant] = [
     # (`q @ k.transpose(-2, -1) / math.sqrt(hd)`), which crashed check_linear with an IndexError.
     V("issue_gpt_scores_div_float", scale="div_float",
       expect=CHUNKS + ("recompute_activation",)),
-    V("gpt_div_tensor_additive_rmshand_swiglu_sum", scale="div_tensor", mask="additive", norm="rms_hand",
-      mlp="swiglu", loss="ce_sum", expect=CHUNKS + ("recompute_elementwise",)),
+    # LoRA fine-tuning: the frozen weights get no gradient, the adapters do; the chunks fire as
+    # with every weight trained.
+    V("gpt_div_tensor_additive_rmshand_swiglu_sum_lora", scale="div_tensor", mask="additive", norm="rms_hand",
+      mlp="swiglu", loss="ce_sum", train="lora", expect=CHUNKS + ("recompute_elementwise",)),
     # HF's label shift: the 3-d logits are sliced along the sequence before the reshape to
     # (tokens, vocab): the loss chunk runs in slices of whole batch rows (2 here).
-    V("gpt_scaleq_triu_rmsmodule_gelutanh_tied_flinear_shift", scale="scale_q", mask="triu",
-      norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift",
+    # ... with the embeddings frozen (tied: the head's weight too, so no weight gradient of the head).
+    V("gpt_scaleq_triu_rmsmodule_gelutanh_tied_flinear_shift_frozen", scale="scale_q", mask="triu",
+      norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift", train="frozen_embed",
       expect=CHUNKS + ("recompute_activation",)),
     V("gpt_gqa_repeat_where_relu_smooth_rope", heads="gqa_repeat", mask="is_causal", mlp="relu",
       loss="ce_smooth", logits="matmul_t", rope=True, expect=CHUNKS + ("recompute_layout",)),
