@@ -4,7 +4,22 @@ from __future__ import annotations
 from engine.ir import Graph
 from engine.testing.graphs import GraphBuilder
 
-__all__ = ["GraphBuilder", "gelu_training_graph"]
+__all__ = ["CHUNK_HEAD_RULE", "GraphBuilder", "gelu_training_graph"]
+
+# A chunk rule for the tests' small heads: the rows of `h` in `count` slices (`.format(count=4)`),
+# its chunk action at chunk_head.rule:9:5.
+CHUNK_HEAD_RULE = """use std.ops
+
+rule chunk_head {{
+  match {{
+    logits = MatMul(h, w)
+    require bytes(logits) >= 4 * bytes(h)
+  }}
+  rewrite {{
+    chunk over h along 0 into {count}
+  }}
+}}
+"""
 
 
 def gelu_training_graph(shape=("batch", 1024), examples=None, with_view: bool = True) -> Graph:

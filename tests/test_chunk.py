@@ -14,19 +14,7 @@ from backends.fx.importer import import_fx  # noqa: E402
 from backends.fx.saved import relative_error, training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 from engine.apply import plan  # noqa: E402
-
-CHUNK_RULE = """use std.ops
-
-rule chunk_head {{
-  match {{
-    logits = MatMul(h, w)
-    require bytes(logits) >= 4 * bytes(h)
-  }}
-  rewrite {{
-    chunk over h along 0 into {count}
-  }}
-}}
-"""
+from ir_graphs import CHUNK_HEAD_RULE as CHUNK_RULE  # noqa: E402
 
 
 class Head(nn.Module):

@@ -12,7 +12,7 @@ from engine.ir import Graph, Node, Value
 from engine.matcher import explain, match
 from engine.plans import parse_config
 from engine.shapes import evaluate, symbol
-from ir_graphs import GraphBuilder, gelu_training_graph
+from ir_graphs import CHUNK_HEAD_RULE, GraphBuilder, gelu_training_graph
 
 GELU_RULE = """
 view Reshape
@@ -368,20 +368,6 @@ def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     assert shifted_bounds(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold
 
 
-READ_TWICE_RULE = """use std.ops
-
-rule chunk_head {
-  match {
-    logits = MatMul(h, w)
-    require bytes(logits) >= 4 * bytes(h)
-  }
-  rewrite {
-    chunk over h along 0 into 4
-  }
-}
-"""
-
-
 @pytest.mark.parametrize("whole_first", [True, False])
 def test_an_outside_value_read_sliced_and_whole_in_one_region_is_refused(whole_first):
     """The backends slice an input from outside a chunk region once for all the region's readers:
@@ -396,7 +382,7 @@ def test_an_outside_value_read_sliced_and_whole_in_one_region_is_refused(whole_f
     readers = [("MatMul", "m"), ("Mul", "a")]
     outs = [b.op(op, [q, z], shape=(32, 32), name=name) for op, name in (readers if whole_first else readers[::-1])]
     total = b.op("ReduceSum", [b.op("Add", outs, shape=(32, 32), name="s")], shape=(), name="r", keepdims=0)
-    planning = plan(b.graph([total]), compile_text(READ_TWICE_RULE, "chunk_head.rule"))
+    planning = plan(b.graph([total]), compile_text(CHUNK_HEAD_RULE.format(count=4), "chunk_head.rule"))
     assert not planning.plans
     [refusal] = planning.refusals
     reason = str(refusal.reason)

@@ -19,6 +19,7 @@ from backends.onnx.rewrite import apply_rules  # noqa: E402
 from dsl.loader import compile_text, load_rules  # noqa: E402
 from engine.apply import plan  # noqa: E402
 from engine.failures import PlanFailure, inject_failure  # noqa: E402
+from ir_graphs import CHUNK_HEAD_RULE  # noqa: E402
 
 
 def _mlp():
@@ -169,17 +170,7 @@ def test_python_scalars_are_operands_in_the_ir():
 
 def test_a_chunk_region_through_a_division_by_a_python_float_matches_eager(fresh_compiles):
     """The class of the crash users saw: `check_linear` indexed a Div's missing second operand."""
-    rules = compile_text("""use std.ops
-rule chunk_head {
-  match {
-    logits = MatMul(h, w)
-    require bytes(logits) >= 4 * bytes(h)
-  }
-  rewrite {
-    chunk over h along 0 into 4
-  }
-}
-""", "chunk_head.rule")
+    rules = compile_text(CHUNK_HEAD_RULE.format(count=4), "chunk_head.rule")
     torch.manual_seed(0)
     model = TemperatureHead()
     inputs = (torch.randn(64, 16), torch.randint(0, 256, (64,)))

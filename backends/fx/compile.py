@@ -219,6 +219,11 @@ class RematPass(CustomGraphPass):
             self.failures.append(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
+    def _notice(self, message: str) -> None:
+        if message not in self.notices:
+            self.notices.append(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
     def _skipped(self, failure: PlanFailure) -> None:
         self.warn(f"remat: {failure}; compiling without that plan")
 
@@ -256,10 +261,8 @@ class RematPass(CustomGraphPass):
             self.chunk_results.append(done.chunk_result)
             dynamic = sorted({r.match.rule.name for r in done.chunk_result.planning.refusals
                               if r.reason.dynamic_sizes})
-            notice = DYNAMIC_CHUNKS.format(rules=", ".join(dynamic))
-            if dynamic and notice not in self.notices:
-                self.notices.append(notice)
-                warnings.warn(notice, UserWarning, stacklevel=2)
+            if dynamic:
+                self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(dynamic)))
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:

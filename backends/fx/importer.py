@@ -235,7 +235,8 @@ def _folded_attributes(base: str, members: list[fx.Node]) -> dict:
 
 def _is_size(node: fx.Node) -> bool:
     """Whether an fx node's value is a size (an int or SymInt), not a tensor."""
-    return isinstance(node.meta.get("val"), (int, torch.SymInt)) and not isinstance(node.meta.get("val"), bool)
+    val = node.meta.get("val")
+    return isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
 
 
 def _dropout_ratio(members: list[fx.Node]) -> float | None:

@@ -31,6 +31,7 @@ from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.shapes import Dim, simplify
 from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
+from engine.strategies.chunk.kinds import int_param
 
 from .formulas import DimEmitter
 
@@ -360,11 +361,12 @@ def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tu
     return None if bounds is None else (o.dim % _rank(outer), *bounds)
 
 
-def _ints_input(node: Node, k: int, name: str) -> list[int]:
-    v = node.inputs[k] if len(node.inputs) > k else None
-    if v is None or v.ints is None:
+def _constant_ints(node: Node, name: str, position: int) -> list[int]:
+    """A parameter the grower read as constant (kinds.int_param): the attribute or the input."""
+    got = int_param(node, name, position)
+    if got is None:
         raise GraphError(f"{node.op} {node.name}: its {name} are computed, not constant")
-    return list(v.ints)
+    return list(got)
 
 
 def _shift_slice(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: list, attrs: dict) -> None:
@@ -374,18 +376,15 @@ def _shift_slice(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: 
     if bounds is None:
         return
     dim, lo, hi = bounds
-    if "starts" in attrs:           # opset 1-9: attributes
-        starts, ends, axes = list(attrs["starts"]), list(attrs["ends"]), attrs.get("axes")
-    else:
-        starts, ends = _ints_input(node, 1, "starts"), _ints_input(node, 2, "ends")
-        axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    starts, ends = _constant_ints(node, "starts", 1), _constant_ints(node, "ends", 2)
+    axes = int_param(node, "axes", 3)
     rank = _rank(node.inputs[0])
     axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
     if dim not in axes:
         return
     k = axes.index(dim)
     starts[k], ends[k] = lo, hi
-    if "starts" in attrs:
+    if "starts" in attrs:           # opset 1-9: attributes
         attrs["starts"], attrs["ends"] = starts, ends
     else:
         inputs[1] = g.const("slice_starts", np.array(starts, np.int64))
@@ -400,9 +399,9 @@ def _shift_pad(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: li
         return
     dim, lo, hi = bounds
     rank = _rank(node.inputs[0])
-    pads = list(attrs["pads"]) if "pads" in attrs else _ints_input(node, 1, "pads")
-    axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(rank))
-    axes = [a % rank for a in axes]
+    pads = _constant_ints(node, "pads", 1)
+    axes = int_param(node, "axes", 3)
+    axes = list(range(rank)) if axes is None else [a % rank for a in axes]
     if dim not in axes:
         return
     k = axes.index(dim)

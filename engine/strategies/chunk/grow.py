@@ -54,7 +54,8 @@ from ...ir import Graph, Node, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static
-from .kinds import DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of, same_size
+from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
+                    same_size)
 from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
@@ -367,8 +368,8 @@ class _Grower:
         """The rows after a reshape that groups the chunked dim with others (DimMap.regrouped)."""
         if not is_static(self.size):
             raise RefusedDynamic(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
-                          f"{self.size}, with others: slices of whole groups are built at static "
-                          f"sizes only")
+                                 f"{self.size}, with others: slices of whole groups are built at static "
+                                 f"sizes only")
         if rows.shifted:
             raise Refused(f"{node.op} {node.name} groups the chunked dim with others after a slice "
                           f"along it: the slices cannot be whole groups")
@@ -378,8 +379,8 @@ class _Grower:
         """The rows after an op that drops `lead` and `tail` rows of the chunk dim (a slice;
         negative: a pad adds them) (DimMap.shifted)."""
         if not is_static(self.size):
-            raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size {self.size}: "
-                          f"slices that start or end inside it are built at static sizes only")
+            raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
+                                 f"{self.size}: slices that start or end inside it are built at static sizes only")
         if rows.unit != 1:
             raise Refused(f"{node.op} {node.name} slices the chunked dim, which a reshape before it "
                           f"groups with others")
@@ -534,11 +535,11 @@ class _Grower:
         if not is_static(self.size) or not is_static(formula):
             if not self.graph.symbolic_slices:
                 raise RefusedDynamic(f"the chunked dim has the symbolic size {self.size} (or the slice count "
-                              f"`{action.count.text}` depends on a dynamic dim); this backend builds slices "
-                              f"of static sizes only")
+                                     f"`{action.count.text}` depends on a dynamic dim); this backend builds "
+                                     f"slices of static sizes only")
             if any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
-                raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and a "
-                              f"slice along the chunk dim needs slices built at static sizes")
+                raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
+                                     f"a slice along the chunk dim needs slices built at static sizes")
             extent, count_formula = self.size, formula
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")

@@ -113,7 +113,7 @@ def _param(node: Node, name: str) -> Any:
     return node.attrs.get(name)
 
 
-def _operand(node: Node, position: int | None) -> Value | None:
+def operand(node: Node, position: int | None) -> Value | None:
     """The node's input at `position` of its op's signature, None where it is absent. ONNX keeps
     the place of an optional input left out (`Slice(x, starts, ends, "", steps)`, `Pad(x, pads,
     "", axes)`), so parameters are read from the node's own inputs, never from its present ones,
@@ -123,20 +123,21 @@ def _operand(node: Node, position: int | None) -> Value | None:
     return node.inputs[position]
 
 
-def _ints(node: Node, name: str, position: int | None = None) -> list[int] | None:
+def int_param(node: Node, name: str, position: int | None = None) -> list[int] | None:
     """An int-list parameter by its ONNX name: the attribute, or, in the opsets that made it an
-    input, the constant input at `position`; None where neither is known."""
+    input, the constant input at `position`; None where neither is known. The grower and the
+    ONNX chunk builder both read slice and pad bounds so."""
     got = _int_list(_param(node, name))
-    operand = _operand(node, position)
-    if got is None and operand is not None:
-        got = operand.ints
+    given = operand(node, position)
+    if got is None and given is not None:
+        got = given.ints
     return got
 
 
 def _axes(node: Node) -> list[int] | None:
     """The `axes` attribute, or, from ONNX opset 13, the constant second input."""
-    axes = _ints(node, "axes", 1)
-    if axes is None and _operand(node, 1) is not None:
+    axes = int_param(node, "axes", 1)
+    if axes is None and operand(node, 1) is not None:
         raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
     return axes
 
@@ -150,11 +151,11 @@ def _slice_axes(node: Node, rank: int, onnx_inputs: bool) -> set[int]:
     """The axes a slice works along: the `axes` attribute, or with `onnx_inputs` (ONNX Slice)
     its constant input (absent: the first len(starts) dims)."""
     at = _SLICE_INPUTS if onnx_inputs else {}
-    axes = _ints(node, "axes", at.get("axes"))
+    axes = int_param(node, "axes", at.get("axes"))
     if axes is None and onnx_inputs:
-        if _operand(node, at["axes"]) is not None:
+        if operand(node, at["axes"]) is not None:
             raise Refused(f"{node.op} {node.name}: its axes are computed, not constant")
-        starts = _ints(node, "starts", at["starts"])
+        starts = int_param(node, "starts", at["starts"])
         if starts is None:
             raise Refused(f"{node.op} {node.name}: its starts are computed, not constant")
         axes = list(range(len(starts)))
@@ -176,7 +177,7 @@ def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[i
     `starts`, `ends`, `axes` and `steps` as attributes or, with `onnx_inputs` (ONNX Slice),
     constant inputs."""
     at = _SLICE_INPUTS if onnx_inputs else {}
-    starts, ends, steps, listed = (_ints(node, name, at.get(name))
+    starts, ends, steps, listed = (int_param(node, name, at.get(name))
                                    for name in ("starts", "ends", "steps", "axes"))
     if starts is None or ends is None or len(starts) != len(ends):
         return {}
@@ -329,8 +330,8 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         return DimMap([{o: o for o in range(rank) if o not in axes}], blocked={(0, a) for a in axes},
                       shifted={(0, a): (a, lead, tail) for a, (lead, tail) in bounds.items()})
     if kind == "pad":
-        pads = _ints(node, "pads", 1)
-        axes = _ints(node, "axes", 3) if _operand(node, 3) is not None else list(range(rank))
+        pads = int_param(node, "pads", 1)
+        axes = int_param(node, "axes", 3) if operand(node, 3) is not None else list(range(rank))
         if pads is None or axes is None:
             raise Refused(f"{node.op} {node.name}: its pads are computed, not constant")
         axes = [norm_dim(a, rank) for a in axes]
