@@ -31,6 +31,9 @@ class GPTConfig:
     # The label shift of transformers before 4.46 and of many training scripts: the loss reads
     # logits[:, :-1] against targets[:, 1:] (the sequence sliced between the head and the loss).
     label_shift: bool = False
+    # nanoGPT's and transformers' return: the logits beside the loss, `(logits, loss)`. The logits
+    # are then a graph output, and their gradient an incoming one added to the loss's.
+    return_logits: bool = False
 
 
 DEMO_CONFIG = GPTConfig(vocab=2048, d_model=128, layers=2, heads=4, seq=256, batch=8)
@@ -83,15 +86,17 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))
+        returned = logits
         if self.cfg.label_shift:
             logits, targets = logits[:, :-1].contiguous(), targets[:, 1:].contiguous()
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return (returned, loss) if self.cfg.return_logits else loss
 
     def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -81,7 +81,8 @@ def child(name: str, args) -> dict:
     device = torch.device(args.device)
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
-                    heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift)
+                    heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift,
+                    return_logits=args.return_logits)
     model = gpt(cfg).to(device)
     inputs = [t.to(device) for t in model.example_inputs()]
     if name == "checkpoint":
@@ -97,9 +98,11 @@ def child(name: str, args) -> dict:
             for block in model.blocks:
                 x = block(x)
             h = model.ln(x)
+            logits = model.head(h) if args.return_logits else None   # whole, as the user asked
             if args.label_shift:
                 h, targets = h[:, :-1], targets[:, 1:]
-            return loss_fn(h.reshape(-1, h.shape[-1]), model.head.weight, targets.reshape(-1))
+            loss = loss_fn(h.reshape(-1, h.shape[-1]), model.head.weight, targets.reshape(-1))
+            return (logits, loss) if args.return_logits else loss
 
         model.forward = forward
     if name in ("compile", "hand-chunked"):
@@ -126,6 +129,8 @@ def child(name: str, args) -> dict:
 
     def step() -> torch.Tensor:
         loss = fn(*inputs)
+        if args.return_logits:      # nanoGPT's loop: `logits, loss = model(x, y)`, then the loss's backward
+            logits, loss = loss
         loss.backward()
         return loss.detach()
 
@@ -211,6 +216,9 @@ def main() -> None:
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--label-shift", action="store_true",
                     help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
+    ap.add_argument("--return-logits", action="store_true",
+                    help="the model returns (logits, loss), as nanoGPT and transformers do; the step "
+                         "backpropagates the loss")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")

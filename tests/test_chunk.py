@@ -224,6 +224,55 @@ def test_a_per_position_factor_between_the_reshapes_chunks_in_whole_batch_rows(f
     assert region.granule == 24 and region.chunks == [24] * 4 and not region.elided
 
 
+class LogitsAndLoss(nn.Module):
+    """nanoGPT's and transformers' last step: the (batch, seq, vocab) logits are returned beside
+    the loss over their (tokens, vocab) view, so they are a graph output and their incoming
+    gradient (zeros when only the loss is backpropagated) is added to the loss's."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        logits = self.head(torch.tanh(self.proj(x)))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+def test_returned_logits_leave_the_region_whole_and_their_gradient_joins_in_the_backward_slices(
+        fresh_compiles, tmp_path, batch):
+    """The loss's incoming gradient cannot be applied once after the slices (the logits' own is
+    added to it), so the region runs in two phases: the forward slices concatenate the logits the
+    step returns, and the backward slices read them, sliced, with both incoming gradients (here
+    a nonzero one for the logits, as an auxiliary loss on them gives), rather than run the
+    projection again. Slices of tokens at any batch: the logits' gradient is read through the
+    reshape the slices skip."""
+    torch.manual_seed(0)
+    model = LogitsAndLoss(16, 300)
+    inputs = _softcap_inputs(batch, 24, 16, 300)
+    logits_grad = torch.randn(batch, 24, 300, generator=torch.Generator().manual_seed(1))
+
+    def step(fn):
+        logits, loss = fn(*inputs)
+        torch.autograd.backward([loss, logits], [torch.ones_like(loss), logits_grad])
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return [logits.detach(), loss.detach(), *grads]
+
+    want = step(model)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4), strict=True)
+    got = step(torch.compile(model, backend=remat))
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    [region] = remat.remat_pass.chunk_results[0].chunks
+    assert len(region.phases) == 2 and len(region.chunks) == 4 and region.granule == 1
+    forward, backward = region.phases
+    assert any(tuple(v.shape) == (batch, 24, 300) for v in forward.outputs)      # the logits, whole
+    assert not any(n.op_type == "MatMul" for n in backward.recomputed), [n.op for n in backward.recomputed]
+    for g, w in zip(got, want):
+        assert relative_error(g, w) <= 1e-4
+
+
 class PerPositionThenCumsum(SoftcapHead):
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = torch.cumsum(self.head(x) * self.scale, 1)

@@ -896,16 +896,17 @@ FIXED: list[Variant] = [
       mlp="gelu_hand", loss="ce_count", tied=True, logits="matmul_t", bias=False,
       expect=CHUNKS + ("recompute_elementwise", "recompute_layout")),
     # nanoGPT's habits (Dropout(0.0) modules, forward returns (logits, loss)), Megatron's
-    # baddbmm, HF's softmax(dtype=float32), a hand-written loss. Neither chunk fires: baddbmm is
-    # not a MatMul, and the logits are a graph output. So the attention probabilities are kept
-    # whole: recompute_softmax's work.
+    # baddbmm, HF's softmax(dtype=float32), a hand-written loss. The attention chunk does not
+    # fire (baddbmm is not a MatMul). The loss chunk does: the returned logits leave it whole,
+    # in two phases (the logits' incoming gradient joins the loss's in the backward slices), and
+    # the hand-written log-softmax, recompute_softmax's before, runs in its slices.
     # Dropout switched on (0.1, HF's default): each dropout output is replayed in backward from
     # its kept mask (recompute_dropout), the masks the same as eager's (fallback_random, seeded).
     V("gpt_dropout_train", dropout=True, dropout_p=0.1, tiers=("expensive",),
       expect=("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
-      expect=("recompute_softmax", "recompute_norm", "recompute_activation")),
+      expect=("chunk_linear_cross_entropy", "recompute_norm", "recompute_activation")),
     # SDPA's fused kernel keeps no scores: nothing for the attention chunk; the expensive tier
     # recomputes the kernel itself in backward.
     V("gpt_sdpa_additive_swiglu_rmsmodule_ignore", scale="sdpa", mask="additive", mlp="swiglu",

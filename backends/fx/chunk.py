@@ -13,6 +13,7 @@ in the slices waits for backward and the partitioner keeps them in the forward g
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -20,7 +21,7 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
-from engine.strategies.chunk import ChunkRegion, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
 
@@ -108,9 +109,9 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
         # A literal operand (`x / 8.0`) is written inline in the node that reads it.
         read = [v for v in phase.inputs if not v.literal]
         inputs = [_fx(v.name, by_name) for v in read]
-        input_meta = [region.meta_of(v) for v in read]
+        input_meta = [_Read(region.meta_of(v), region.reshaped_to(v)) for v in read]
         outputs = [_fx(v.name, by_name) for v in phase.outputs]
-        output_meta = [region.meta_of(v) for v in phase.outputs]
+        output_meta = [_Read(region.meta_of(v), region.reshaped_to(v)) for v in phase.outputs]
         recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
         # The subgraphs first, one per class of slice (its size; the first or last where the
         # region's values start in or end short, Rows): a region that cannot be built raises
@@ -122,10 +123,14 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             if key not in built:
                 built[key] = _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start, end, total)
         phases.append((body, inputs, input_meta, outputs, output_meta, recomputed, built))
+    combined: dict[fx.Node, fx.Node] = {}      # an earlier phase's outputs, as its slices combined
     for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
         subgraphs = {key: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (key, sub) in enumerate(built.items())}
-        _rewire(graph, region, inputs, input_meta, outputs, output_meta, body, recomputed, in_region,
-                subgraphs)
+        combined.update(_rewire(graph, region, [combined.get(x, x) for x in inputs], input_meta, outputs,
+                                output_meta, body, recomputed, in_region, subgraphs))
+    for fx_node in reversed(list(graph.nodes)):     # what only a later phase read (the returned logits)
+        if fx_node in in_region and not fx_node.users:
+            graph.erase_node(fx_node)
     graph.lint()
     _propagate_fake(gm, {n for n in graph.nodes if n not in before})
 
@@ -169,11 +174,21 @@ def _body_key(sub: fx.GraphModule) -> str:
     return repr(parts)
 
 
-def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list,
-            outputs: list[fx.Node], output_meta: list, body: list[fx.Node], recomputed: set[fx.Node],
-            in_region: set[fx.Node], subgraphs: dict[tuple, str]) -> None:
+@dataclass(frozen=True)
+class _Read:
+    """How a region input is sliced, or a region output combined: its chunk meta, and the shape
+    it has in the slices where that is not its own (ChunkRegion.reshaped_to)."""
+
+    meta: ChunkMeta
+    reshaped: tuple | None = None
+
+
+def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list[_Read],
+            outputs: list[fx.Node], output_meta: list[_Read], body: list[fx.Node], recomputed: set[fx.Node],
+            in_region: set[fx.Node], subgraphs: dict[tuple, str]) -> dict[fx.Node, fx.Node]:
     """Call the subgraphs once per slice in place of `body`, and send the region's readers
-    (never its other phase) to the combined outputs."""
+    (never its other phase) to the combined outputs, which are returned: a later phase reads
+    them too."""
     rank = {n: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
     tangent = _fx(region.tangent.name, by_name) if region.tangent is not None else None
@@ -186,30 +201,38 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
             for fx_node in chain:
                 unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
         operands = [_detached_like(graph, unscaled.get(x, x)) for x in inputs]
+        operands = [x if r.reshaped is None else graph.call_function(aten.reshape.default, (x, list(r.reshaped)))
+                    for x, r in zip(operands, input_meta)]
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
-        sums = {k: _full(graph, o, 0.0) for k, (o, m) in enumerate(zip(outputs, output_meta)) if m.need_sum}
+        sums = {k: _full(graph, o, 0.0) for k, (o, r) in enumerate(zip(outputs, output_meta)) if r.meta.need_sum}
         total = sum(region.chunks)
         for start, end in region.slices():
             args = []
-            for x, m in zip(operands, input_meta):
+            for x, r in zip(operands, input_meta):
+                m = r.meta
                 args.append(x if m.dim is None else graph.call_function(
                     aten.slice.Tensor, (x, m.dim, *m.span(start, end, total))))
             attr = subgraphs[region.slice_class(start, end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sums.values()))
-            for k, m in enumerate(output_meta):
+            for k, r in enumerate(output_meta):
                 item = graph.call_function(operator.getitem, (call, k))
-                if m.need_sum:
+                if r.meta.need_sum:
                     sums[k] = item
                 else:
                     pieces[k].append(item)
 
-        for k, (orig, m) in enumerate(zip(outputs, output_meta)):
+        combined = {}
+        for k, (orig, r) in enumerate(zip(outputs, output_meta)):
+            m = r.meta
             whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
+            if r.reshaped is not None:      # computed in the shape from before a skipped reshape
+                whole = graph.call_function(aten.reshape.default, (whole, list(orig.meta["val"].shape)))
             if m.scaled:
                 whole = graph.call_function(aten.mul.Tensor, (whole, tangent))
             orig.replace_all_uses_with(whole, delete_user_cb=lambda user: user not in in_region)
+            combined[orig] = whole
 
     for fx_node in reversed(body):
         if not fx_node.users:
@@ -219,6 +242,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
             graph.erase_node(fx_node)
     first = min(rank[n] for n in body if n not in recomputed)
     _sort_near(graph, {n: (r, 0) for n, r in rank.items()}, (first, 1))
+    return combined
 
 
 _LIKE = {aten.full_like.default: None, aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0}
@@ -273,12 +297,13 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start: int, en
     slice of its class, ChunkRegion.slice_class)."""
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    meta_of = dict(zip(inputs, input_meta)) | meta_by_fx
-    for x, m in zip(inputs, input_meta):
+    meta_of = {x: r.meta for x, r in zip(inputs, input_meta)} | meta_by_fx
+    for x, r in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
-        p.meta["val"] = _fake_slice(x.meta["val"], m, start, end, total)
+        val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
+        p.meta["val"] = _fake_slice(val, r.meta, start, end, total)
         env[x] = p
-    sliced = {x for x, m in zip(inputs, input_meta) if m.dim is not None}
+    sliced = {x for x, r in zip(inputs, input_meta) if r.meta.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
         if m.dim is not None:

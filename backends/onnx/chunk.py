@@ -269,8 +269,13 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         m = region.meta_of(v)
         if m.dim is None:
             continue
-        axis = g.const("slice_axis", np.array([m.dim % _rank(v)], np.int64))
-        env[id(v)] = g.add("Slice", [v, *span(m), axis], f"{v.name}_slice", v.dtype, _sliced_shape(v, m, run))
+        shaped, whole = region.shaped_like(v), v
+        if shaped is not v:     # read in the shape from before a skipped reshape (ChunkRegion.reshaped_to)
+            whole = g.add("Reshape", [v, g.const(f"{v.name}_shape", np.array(region.reshaped_to(v), np.int64))],
+                          f"{v.name}_reshaped", v.dtype, shaped.shape)
+        axis = g.const("slice_axis", np.array([m.dim % _rank(shaped)], np.int64))
+        env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
+                           _sliced_shape(shaped, m, run))
     elided = {id(n) for n in region.elided}
     for node in phase.nodes:
         if id(node) in elided:
@@ -427,7 +432,9 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
         raise GraphError("slices of a dynamic size run as Loops only, not unrolled")
     sums = [o for o in phase.outputs if region.meta_of(o).need_sum]
     scans = [o for o in phase.outputs if not region.meta_of(o).need_sum]   # sliced: the grower refuses others
-    scan_dims = [region.meta_of(o).dim % _rank(o) for o in scans]
+    # the shape each has in the slices: its own, or the one from before a skipped reshape
+    shaped = [region.shaped_like(o) for o in scans]
+    scan_dims = [region.meta_of(o).dim % _rank(like) for o, like in zip(scans, shaped)]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
                     {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if _is_static(o)
@@ -446,19 +453,23 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
-                         (run.count_dim, *_sliced_shape(o, region.meta_of(o), run)))
-                   for o in scans]
+                         (run.count_dim, *_sliced_shape(like, region.meta_of(o), run)))
+                   for o, like in zip(scans, shaped)]
         trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}))
         totals = outs
-        for k, (o, s, dim) in enumerate(zip(scans, stacked, scan_dims)):
-            pieces[k].append(_unstack(g, s, o, dim, run, region.meta_of(o)))
+        for k, (o, s, dim, like) in enumerate(zip(scans, stacked, scan_dims, shaped)):
+            pieces[k].append(_unstack(g, s, like, dim, run, region.meta_of(o)))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
-    for o, parts, dim in zip(scans, pieces, scan_dims):
+    for o, parts, dim, like in zip(scans, pieces, scan_dims, shaped):
         op, attrs = ("Concat", {"axis": dim}) if len(parts) > 1 else ("Identity", {})
-        g.nodes.append(Node(op, parts, [o], attrs, names(f"{o.name}_chunked")))
+        whole = o if like is o else Value(names(f"{o.name}_joined"), o.dtype, like.shape)
+        g.nodes.append(Node(op, parts, [whole], attrs, names(f"{o.name}_chunked")))
+        if whole is not o:
+            g.nodes.append(Node("Reshape", [whole, g.const(f"{o.name}_shape", np.array(o.shape, np.int64))], [o],
+                                {}, names(f"{o.name}_reshaped")))
     return g.nodes, g.initializers
 
 

@@ -63,7 +63,15 @@ MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, re
 
 
 class _TwoPhases(Exception):
-    """The region's backward reads the gradient of its own output: grow it again in two phases."""
+    """The region cannot run forward and backward in one pass over the slices: its backward reads
+    the gradient of its own output, or the incoming gradient is not one it can apply once after
+    the slices (another output's gradient added to the loss's: nanoGPT's `(logits, loss)`). Grow
+    it again in two phases, where the backward slices read the real gradients. `why`: the
+    one-phase refusal, reported if two phases are refused as well."""
+
+    def __init__(self, why: Refused | None = None):
+        super().__init__(str(why or ""))
+        self.why = why
 
 
 def _zero(v: Value) -> bool:
@@ -98,6 +106,19 @@ def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None
         if j > shared or (dim is not None and len(like.shape) - j == dim):
             return False
     return True
+
+
+def _same_shape(a: Value, b: Value) -> bool:
+    return (a.shape is not None and b.shape is not None and len(a.shape) == len(b.shape)
+            and all(same_size(x, y) for x, y in zip(a.shape, b.shape)))
+
+
+def _static_reshape(node: Node, v: Value, like: Value) -> None:
+    """Refuse a reshape between `v` and `like`'s shape that the backends would build at a dynamic size."""
+    if v.shape is None or like.shape is None or not all(is_static(d) for d in (*v.shape, *like.shape)):
+        raise RefusedDynamic(f"{node.op} {node.name}: %{v.name} would be reshaped between {v.shape} and the "
+                             f"shape {like.shape} of %{like.name} outside the slices, which is built at "
+                             f"static sizes only")
 
 
 def _read_text(meta: ChunkMeta) -> str:
@@ -308,6 +329,9 @@ class _Grower:
                 raise (RefusedDynamic if alike else Refused)(
                     f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size {v.shape[r]} "
                     f"is not the chunked size {total}")
+            if id(v) in self.reshaped:
+                raise Refused(f"{node.op} {node.name} reads %{v.name} in its own shape, where another node of "
+                              f"the region reads it in the shape of %{self.reshaped[id(v)].name}")
             self.read_outside(node, v, meta, i in DTYPE_ONLY.get(kind, ()))
         if need_sum and dm.mean:
             self.means.append(node)
@@ -411,18 +435,34 @@ class _Grower:
                 raise Refused(f"{where} and %{v.name} in the shape of %{self.reshaped[id(v)].name}")
         if len(dims) != 1:
             raise Refused(f"{where}; its operands are sliced along different dims")
+        dim = next(iter(dims))
         for v in inputs:
             if id(v) in self.reshaped:
                 continue
-            if not _broadcasts_alike(v, shaped[0], like, next(iter(dims))):
+            if not self.in_region(v) and _same_shape(v, shaped[0]):
+                # As large as the value it meets (the gradient of returned logits added to the
+                # loss's): read through the same reshape, in that value's rows of the slice.
+                self.read_reshaped(node, v, like, ChunkMeta(dim, rows=self.meta[id(shaped[0])].rows))
+                continue
+            if not _broadcasts_alike(v, shaped[0], like, dim):
                 raise Refused(f"{where}; its operand %{v.name} (shape {v.shape}) would broadcast differently "
                               f"in that shape")
             if not self.in_region(v):
                 self.read_outside(node, v, ChunkMeta(), False)
         self.region[id(node)] = node
         out = node.outputs[0]
-        self.meta[id(out)] = ChunkMeta(dims.pop(), False, self.scaled(node, inputs), self.meta[id(shaped[0])].rows)
+        self.meta[id(out)] = ChunkMeta(dim, False, self.scaled(node, inputs), self.meta[id(shaped[0])].rows)
         self.reshaped[id(out)] = like
+
+    def read_reshaped(self, node: Node, v: Value, like: Value, meta: ChunkMeta) -> None:
+        """Record that `node` reads `v`, from outside the region, reshaped to `like`'s shape and
+        sliced as `meta` says (ChunkRegion.reshaped): the backends reshape it, whole, first."""
+        if id(v) in self.inputs and self.reshaped.get(id(v)) is not like:
+            raise Refused(f"{node.op} {node.name} reads %{v.name} in the shape of %{like.name}, where another "
+                          f"node of the region reads it in its own shape")
+        _static_reshape(node, v, like)
+        self.reshaped[id(v)] = like
+        self.read_outside(node, v, meta, False)
 
     def should_pull(self, v: Value) -> bool:
         """Compute `v` inside the region when it is large, or made from a large value."""
@@ -506,22 +546,31 @@ class _Grower:
                 self.include(node)
         late = self.close_cycles()
         if self.nonlinear is not None:
-            raise self.nonlinear
+            raise _TwoPhases(self.nonlinear)
         nodes = sorted(self.region.values(), key=lambda n: self.position[id(n)])
         phases = self.phases(nodes, late)
         if any(not ph.outputs for ph in phases):
             raise Refused("nothing outside the region reads its values (dead code): there is nothing to "
                           "run slice by slice")
-        for v in (o for ph in phases for o in ph.outputs):
+        returned = {id(v) for v in self.graph.outputs}
+        for v in self.outputs_of(phases):
             if id(v) in self.reshaped:
-                raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is read outside the region "
-                              f"in a shape the slices do not have")
+                # computed in the slices in the shape from before a skipped reshape: the backends
+                # reshape the concatenated slices (nanoGPT's returned (batch, seq, vocab) logits)
+                _static_reshape(v.producer, v, self.reshaped[id(v)])
             m = self.meta[id(v)]
             if m.dim is None and not m.need_sum:
                 raise Refused(f"%{v.name} leaves the region neither sliced nor summed")
-            if m.dim is not None and self.large(v):
+            if m.dim is not None and self.large(v) and id(v) not in returned:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is large and read outside "
                               f"the region, so it would be built whole anyway")
+        # A large value the step returns (nanoGPT's logits beside the loss) is built whole in any
+        # plan: it leaves the region concatenated, and the region is worth running while a large
+        # value it computes (the log-softmax, the logits' gradient) is not returned.
+        leaving = {id(v) for v in self.outputs_of(phases)}
+        if not any(self.large(o) for n in nodes for o in n.outputs if o is not None and id(o) not in leaving):
+            raise Refused("every large value of the region is returned by the step, so it is built whole "
+                          "anyway")
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count, formula = self.count(action)
@@ -547,6 +596,10 @@ class _Grower:
                            slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
                            self.means, extent, count_formula, dict(self.reshaped), granule)
+
+    @staticmethod
+    def outputs_of(phases: list[ChunkPhase]) -> list[Value]:
+        return [o for ph in phases for o in ph.outputs]
 
     def _at_examples(self, size: Any) -> int:
         value = evaluate(size, self.examples)
@@ -615,19 +668,22 @@ class _Grower:
 
         def phase(members: list[Node], recomputed: list[Node] = ()) -> ChunkPhase:
             ids = {id(n) for n in members}
+            # what the region reads from outside, and what an earlier phase returned (below)
             reads = {id(v): v for n in members for v in n.present_inputs()
-                     if id(v) in self.inputs and (v.producer is None or id(v.producer) not in ids)}
+                     if (id(v) in self.inputs or self.in_region(v))
+                     and (v.producer is None or id(v.producer) not in ids)}
             ins = sorted(reads.values(), key=lambda v: self.position.get(id(v.producer), -1))
             return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed]),
                               list(recomputed))
 
-        if not late:
-            return [phase(nodes)]
         # The backward phase: what reads the late inputs, and what reads the incoming gradient any
         # other way (a loss beside the region's own output: z-loss reads logsumexp(logits) and
-        # cross-entropy's gradient reads the tangent directly). Left in the forward phase, such a
-        # node would make the forward outputs wait for the gradient.
+        # cross-entropy's gradient reads the tangent directly; the gradient of returned logits
+        # added to the loss's). Left in the forward phase, such a node would make the forward
+        # outputs wait for the gradient.
         tangent_inputs = [v for v in self.inputs.values() if id(v) in self.tangent_ids]
+        if not late and not (self.two_phase and tangent_inputs):
+            return [phase(nodes)]
         after = self.index.downstream([*late, *tangent_inputs], until=max(self.position[id(n)] for n in nodes))
         # A node that reads a backward value only for its type (CastLike(0, grad), the masked
         # fill of a gradient) runs in the backward phase too: the value must exist first.
@@ -636,6 +692,8 @@ class _Grower:
                 after.update(id(o) for o in n.outputs)
         backward = [n for n in nodes if any(id(o) in after for o in n.outputs)]
         forward = [n for n in nodes if not any(id(o) in after for o in n.outputs)]
+        if not late and not forward:
+            return [phase(nodes)]       # all of it reads the incoming gradient: it runs in backward
         backward_ids = {id(n) for n in backward}
         needed: dict[int, Node] = {}
         stack = [v for n in backward for v in n.present_inputs()]
@@ -643,6 +701,10 @@ class _Grower:
             v = stack.pop()
             p = v.producer
             if p is None or id(p) in backward_ids or id(p) in needed or id(p) not in region_ids:
+                continue
+            if id(v) in graph_outputs:
+                # The step returns it (nanoGPT's logits): it exists whole once the forward phase
+                # has run, and the backward slices read it rather than compute it again.
                 continue
             needed[id(p)] = p
             stack.extend(p.present_inputs())
@@ -670,7 +732,7 @@ class _Grower:
             self.check_linear(node, ins, [id(x) in self.tangent_ids for x in ins])
             stack.extend(x for x in ins if id(x) in self.tangent_ids)
         if len(tangents) != 1:
-            raise Refused("the region reads more than one incoming gradient")
+            raise _TwoPhases(Refused("the region reads more than one incoming gradient"))
         if len(chain) > MAX_TANGENT_CHAIN:
             raise Refused(f"the region's backward reads a gradient computed by {len(chain)} nodes from the "
                           f"incoming one; only a region whose backward follows right after its forward "
@@ -716,9 +778,13 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
             grower = _Grower(match, action, ctx, elide=elide)
             try:
                 return grower.grow(action)
-            except _TwoPhases:
+            except _TwoPhases as once:
+                one_phase = once.why
                 grower = _Grower(match, action, ctx, two_phase=True, elide=elide)
-                return grower.grow(action)
+                try:
+                    return grower.grow(action)
+                except Refused as e:
+                    raise (one_phase or e) from None
         except Refused as e:
             refused = refused or e
             if grower is None or not grower.elided:

@@ -241,6 +241,13 @@ class ChunkRegion:
     def meta_of(self, value: Value) -> ChunkMeta:
         return self.meta.get(id(value), ChunkMeta())
 
+    def reshaped_to(self, value: Value) -> tuple | None:
+        """The shape a region input is reshaped to before it is sliced, or a region output has
+        when its slices are concatenated, where that is not its own: the shape from before a
+        skipped reshape (the grower allows it at static sizes only). None otherwise."""
+        like = self.reshaped.get(id(value))
+        return None if like is None else tuple(like.shape)
+
     def shaped_like(self, value: Value) -> Value:
         """The value whose shape `value` has inside the slices: itself, or what a skipped
         reshape before it reshaped (its chunk meta's dim is a dim of that shape)."""
