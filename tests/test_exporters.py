@@ -162,6 +162,25 @@ def vector():
         def forward(self, x, y):
             return ((self.outer(torch.tanh(self.inner(x))) - y) ** 2).mean(dim=1)
     return PerRow(), (torch.randn(6, 8), torch.randn(6, 4))
+
+
+class PredictionAndLoss(Net):
+    # nanoGPT's return: (logits, loss)
+    def forward(self, x, y):
+        pred = self.outer(torch.tanh(self.inner(x)))
+        return pred, F.mse_loss(pred, y)
+
+
+def pair():
+    torch.manual_seed(0)
+    return PredictionAndLoss(), (torch.randn(6, 8), torch.randn(6, 4))
+
+
+def loss_first():
+    class LossFirst(PredictionAndLoss):
+        def forward(self, x, y):
+            return tuple(reversed(super().forward(x, y)))
+    return LossFirst(), (torch.randn(6, 8), torch.randn(6, 4))
 '''
 
 
@@ -182,12 +201,29 @@ def test_remat_export_a_users_module(tmp_path):
     assert (tmp_path / "net.inputs.npz").exists()
 
 
+def test_remat_export_a_module_that_returns_its_prediction_beside_the_loss(tmp_path, monkeypatch, capsys):
+    """nanoGPT's `(logits, loss)`: exported as it is, the prediction an output of the step after
+    the loss (`output0`), checked against torch with the gradients; only the loss is backpropagated."""
+    (tmp_path / "usermod_pair.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["export", "usermod_pair:pair", "-o", "pair.onnx"]) == 0, capsys.readouterr().err
+    model = onnx.load(str(tmp_path / "pair.onnx"))
+    outputs = [o.name for o in model.graph.output]
+    assert outputs == ["loss", "output0", "grad.inner_weight", "grad.inner_bias", "grad.outer_weight",
+                       "grad.outer_bias"]
+    assert [d.dim_value for d in model.graph.output[1].type.tensor_type.shape.dim] == [6, 4]
+    assert json.loads(next(p.value for p in model.metadata_props if p.key == "remat.forward_outputs")) == \
+        ["loss", "output0"]
+
+
 @pytest.mark.parametrize("entry,message", [
     ("usermod_bad", "is not an entry point: write package.module:factory"),
     ("no_such_module:factory", "cannot import no_such_module (ModuleNotFoundError"),
     ("usermod_bad:missing", "usermod_bad has no 'missing'"),
     ("usermod_bad:broken", "the factory failed (ValueError: no weights here)"),
     ("usermod_bad:vector", "returned a torch.float32 tensor of shape (6,), not a loss"),
+    ("usermod_bad:loss_first", "returned a torch.float32 tensor of shape (6, 4) last in its tuple, not a loss"),
 ])
 def test_remat_export_errors_are_one_line(tmp_path, monkeypatch, capsys, entry, message):
     (tmp_path / "usermod_bad.py").write_text(USER_MODULE)

@@ -16,7 +16,8 @@ from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
 from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Attention, ChainHead,  # noqa: E402
-                        Head, HeadThen, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs, _softcap_inputs)
+                        Head, HeadThen, LogitsAndLoss, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs,
+                        _softcap_inputs)
 
 
 def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False, exporter: str = "make-fx"):
@@ -68,6 +69,26 @@ def test_a_softcap_between_the_reshapes_runs_in_the_loop(bias):
     exported, rewrite, outputs = _chunked(model, _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 3)
     assert rewrite.chunked == 1 and not rewrite.failures
     assert _largest_outside_loops(rewrite.graph) < 48 * 300
+    error, where = max_relative_error(outputs, exported.reference)
+    assert error <= 1e-4, where
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_returned_logits_are_an_output_of_the_step_and_leave_the_loop_whole(exporter):
+    """nanoGPT's `(logits, loss)` exported as it is: the step returns the (batch, seq, vocab)
+    logits beside the loss, and only the loss is backpropagated. The Loop computes the logits in
+    slices of tokens (through the reshape it skips) and they leave it concatenated, reshaped
+    back: the only values of their size outside the Loop."""
+    torch.manual_seed(0)
+    exported, rewrite, outputs = _chunked(LogitsAndLoss(16, 300), _softcap_inputs(2, 24, 16, 300), CHUNK_RULE, 4,
+                                          exporter=exporter)
+    assert exported.model.graph.output[1].name == "output0" and "output0" in exported.reference
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    assert len(region.chunks) == 4 and region.granule == 1 and region.elided
+    big = {n.op for n in rewrite.graph.nodes if n.op != "Loop" for o in n.outputs
+           if o.shape is not None and o.numel >= 48 * 300}
+    assert big <= {"Concat", "Reshape"}, big
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 

@@ -464,9 +464,13 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
     for o, parts, dim, like in zip(scans, pieces, scan_dims, shaped):
-        op, attrs = ("Concat", {"axis": dim}) if len(parts) > 1 else ("Identity", {})
         whole = o if like is o else Value(names(f"{o.name}_joined"), o.dtype, like.shape)
-        g.nodes.append(Node(op, parts, [whole], attrs, names(f"{o.name}_chunked")))
+        if len(parts) > 1:
+            g.nodes.append(Node("Concat", parts, [whole], {"axis": dim}, names(f"{o.name}_chunked")))
+        elif whole is o:
+            g.nodes.append(Node("Identity", parts, [o], {}, names(f"{o.name}_chunked")))
+        else:
+            whole = parts[0]
         if whole is not o:
             g.nodes.append(Node("Reshape", [whole, g.const(f"{o.name}_shape", np.array(o.shape, np.int64))], [o],
                                 {}, names(f"{o.name}_reshaped")))

@@ -15,7 +15,9 @@ tokens times too large (docs/design.md, measured facts: 128x). `verify` compares
 torch, always.
 
 Graph inputs are the module's inputs then its parameters (named after them);
-outputs are the loss then one gradient per parameter (`grad.<param>`).
+outputs are the loss, the tensors the module returns beside it (nanoGPT's `(logits, loss)`:
+`output0`; a transformers ModelOutput's `logits`), then one gradient per parameter
+(`grad.<param>`). Only the loss is backpropagated, as the user's step does.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import logging
 from collections.abc import Callable
 import warnings
 from unittest import mock
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -91,14 +93,39 @@ class _MaskedDropout:
         return input * mask / (1 - p)
 
 
+def loss_and_returned(out, entry: str = "the module") -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """What a module's forward returned, as the loss and the named tensors returned beside it: a
+    loss; a tuple or list whose last item is the loss (nanoGPT's `(logits, loss)`: `output0`); a
+    mapping with a `loss` (a transformers ModelOutput: `logits`; what is not a tensor, such as
+    a key-value cache, is left out). Anything else is a RematError."""
+    if isinstance(out, torch.Tensor):
+        loss, others, where = out, [], ""
+    elif isinstance(out, (tuple, list)) and out:
+        loss, others, where = out[-1], [(f"output{k}", v) for k, v in enumerate(out[:-1])], " last in its tuple"
+    elif hasattr(out, "keys") and "loss" in out.keys():
+        loss, others, where = out["loss"], [(str(k), out[k]) for k in out.keys() if k != "loss"], " as its `loss`"
+    else:
+        raise RematError(f"{entry} returned {type(out).__name__}, not a loss (a scalar tensor), a tuple "
+                         f"ending in the loss, or a mapping with a `loss`")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        what = (f"a {loss.dtype} tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise RematError(f"{entry} returned {what}{where}, not a loss (a floating-point scalar)")
+    return loss, [(_clean(name), v) for name, v in others if isinstance(v, torch.Tensor)]
+
+
 def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int, trainable: list[bool]):
+    """The step: (*inputs, *params) -> (loss, *returned, *grads); `step.returned` names what the
+    module returned beside the loss (set by each call)."""
     def step(*args):
         inputs, params = args[:n_inputs], args[n_inputs:]
         params = [p.requires_grad_(True) if learn else p for p, learn in zip(params, trainable)]
-        loss = functional_call(module, dict(zip(names, params)), tuple(inputs))
+        loss, returned = loss_and_returned(functional_call(module, dict(zip(names, params)), tuple(inputs)))
+        step.returned = [name for name, _ in returned]
         grads = torch.autograd.grad(loss, [p for p, learn in zip(params, trainable) if learn])
-        return (loss, *grads)
+        return (loss, *(v.detach() for _, v in returned), *grads)
 
+    step.returned = []
     return step
 
 
@@ -115,6 +142,7 @@ class TracedStep:
     names: list[str]
     params: list[torch.Tensor]
     trainable: list[bool]
+    returned: list[str] = field(default_factory=list)   # the outputs returned beside the loss
 
     @property
     def grad_names(self) -> list[str]:
@@ -203,7 +231,7 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
             graph = make_fx(step, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
                                                        **get_decompositions(list(written_out))},
                             tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
-    return TracedStep(graph, step, names, params, trainable)
+    return TracedStep(graph, step, names, params, trainable, list(step.returned))
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -289,9 +317,9 @@ class _JointStep(torch.nn.Module):
 
     def forward(self, *args):
         buffers = [getattr(self, f"buffer{k}") for k in range(self.n_buffers)]
-        (loss,), grads = self.joint([*args, *buffers], [torch.ones((), dtype=torch.float32)])
+        (loss, *returned), grads = self.joint([*args, *buffers], [torch.ones((), dtype=torch.float32)])
         # AOTAutograd gives None for an input that needs no gradient (a frozen parameter).
-        return (loss, *(g for g, learn in zip(grads[self.n_inputs:len(args)], self.trainable) if learn))
+        return (loss, *returned, *(g for g, learn in zip(grads[self.n_inputs:len(args)], self.trainable) if learn))
 
 
 def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -306,10 +334,15 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     buffer_names = [n for n, _ in module.named_buffers()]
     buffers = [b.detach().clone() for _, b in module.named_buffers()]
 
+    returned_names: list[str] = []
+
     def forward(*args):
         tensors = dict(zip(names, args[n_inputs:n_inputs + n_params]))
         tensors.update(zip(buffer_names, args[n_inputs + n_params:]))
-        return (functional_call(module, tensors, tuple(args[:n_inputs])),)
+        loss, returned = loss_and_returned(functional_call(module, tensors, tuple(args[:n_inputs])))
+        returned_names[:] = [name for name, _ in returned]
+        # detached: only the loss gets an incoming gradient (a tangent), as the user's step gives it
+        return (loss, *(v.detach() for _, v in returned))
 
     with _traceable():
         joint = aot_export_joint_simple(forward, [*inputs, *(p.clone().requires_grad_(learn)
@@ -317,7 +350,7 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                                                   *buffers], trace_joint=True,
                                         decompositions={**_DECOMPOSITIONS, **get_decompositions(list(written_out))})
     return TracedStep(_JointStep(joint, n_inputs, buffers, trainable), _step_fn(module, names, n_inputs, trainable),
-                      names, params, trainable)
+                      names, params, trainable, list(returned_names))
 
 
 def _clean(name: str) -> str:
@@ -347,6 +380,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     else:
         traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims), written_out=written_out)
     names, params, step, grad_names = traced.names, traced.params, traced.step, traced.grad_names
+    forward_outputs = ["loss", *traced.returned]
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
     dynamic_shapes = None
@@ -366,15 +400,15 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
             input_names=[*input_names, *(_clean(n) for n in names)],
-            output_names=["loss", *(f"grad.{_clean(n)}" for n in grad_names)])
+            output_names=[*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)])
     model = program.model_proto
     onnx.helper.set_model_props(model, {
-        FORWARD_OUTPUTS_KEY: json.dumps(["loss"]),
+        FORWARD_OUTPUTS_KEY: json.dumps(forward_outputs),
         **({DIM_EXAMPLES_KEY: json.dumps(dim_examples)} if dim_examples else {}),
     })
     feeds = {n: t.detach().numpy() for n, t in zip([*input_names, *(_clean(n) for n in names)],
                                                    [*inputs, *params])}
-    output_names = ["loss", *(f"grad.{_clean(n)}" for n in grad_names)]
+    output_names = [*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)]
 
     def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
         # With dropout, attention's too is drawn through F.dropout, in the exported graph's order.

@@ -2,9 +2,11 @@
 
 The contract: `factory()` takes no arguments and returns `(module, example_inputs)`, a
 `torch.nn.Module` and a tuple of tensors, such that `module(*example_inputs)` returns the loss, a
-scalar floating-point tensor that depends on the module's parameters. The step is exported by
-backends.onnx.torch_export (forward and backward in one graph: inputs, then parameters, in; the
-loss, then one gradient per parameter, out) and checked against torch before it is written.
+scalar floating-point tensor that depends on the module's parameters (alone, last in a tuple as
+nanoGPT's `(logits, loss)`, or a mapping's `loss` as a transformers ModelOutput). The step is
+exported by backends.onnx.torch_export (forward and backward in one graph: inputs, then parameters,
+in; the loss, the tensors returned beside it, then one gradient per parameter, out) and checked
+against torch before it is written.
 
 Each way the contract can be broken is one clear error (RematError), never a traceback.
 """
@@ -70,8 +72,9 @@ def load_factory(entry: str) -> UserStep:
 
 
 def check_loss(step: UserStep) -> None:
-    """`module(*inputs)` must be a scalar floating-point tensor that depends on a parameter."""
-    import torch
+    """`module(*inputs)` must give a loss (torch_export.loss_and_returned: a scalar floating-point
+    tensor, alone, last in a tuple, or a mapping's `loss`) that depends on a parameter."""
+    from .torch_export import loss_and_returned
 
     params = [p for p in step.module.parameters() if p.requires_grad]
     if not params:
@@ -80,13 +83,8 @@ def check_loss(step: UserStep) -> None:
         out = step.module(*step.inputs)
     except Exception as exc:  # noqa: BLE001
         raise RematError(f"{step.entry}: module(*example_inputs) failed ({one_line(exc)})") from None
-    if not isinstance(out, torch.Tensor):
-        raise RematError(f"{step.entry}: module(*example_inputs) returned {type(out).__name__}, not a loss "
-                         f"(a scalar tensor)")
-    if out.dim() != 0 or not out.is_floating_point():
-        raise RematError(f"{step.entry}: module(*example_inputs) returned a {out.dtype} tensor of shape "
-                         f"{tuple(out.shape)}, not a loss (a floating-point scalar)")
-    if not out.requires_grad:
+    loss, _ = loss_and_returned(out, f"{step.entry}: module(*example_inputs)")
+    if not loss.requires_grad:
         raise RematError(f"{step.entry}: the loss does not depend on the module's parameters")
 
 
