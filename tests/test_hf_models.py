@@ -38,3 +38,30 @@ def test_gpt2_through_backend_remat_matches_eager(fresh_compiles):
     errors = relative_errors(got, want)
     assert set(errors) == set(want)
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_gpt2_compiled_as_users_call_it_returns_its_logits_and_still_chunks_the_loss(fresh_compiles):
+    """The model itself compiled, called by keyword, its ModelOutput's loss backpropagated: the
+    logits (tokens x vocab, 16 MiB) are a graph output beside the loss. The loss chunk still runs
+    (in two phases, the logits leaving it whole), and the logits, loss and gradients are eager's."""
+    import backends.fx as fx_backend
+
+    wrapped, (ids, labels) = hf_models.gpt2(vocab=8192, d=64, layers=1, heads=4, batch=2, seq=256)
+    model = wrapped.model
+
+    def step(fn):
+        out = fn(input_ids=ids, labels=labels)
+        out.loss.backward()
+        got = {"loss": out.loss.detach().numpy(), "logits": out.logits.detach().numpy(),
+               **{n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+        model.zero_grad(set_to_none=True)
+        return got
+
+    want = step(model)
+    remat = fx_backend.backend(strict=True)
+    got = step(torch.compile(model, backend=remat))
+    assert remat.remat_pass.chunked == 1, [r.report() for r in remat.remat_pass.chunk_results]
+    [region] = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
+    assert region.match.rule.name == "chunk_linear_cross_entropy" and len(region.phases) == 2
+    errors = relative_errors(got, want)
+    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
