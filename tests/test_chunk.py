@@ -269,6 +269,10 @@ def test_returned_logits_leave_the_region_whole_and_their_gradient_joins_in_the_
     forward, backward = region.phases
     assert any(tuple(v.shape) == (batch, 24, 300) for v in forward.outputs)      # the logits, whole
     assert not any(n.op_type == "MatMul" for n in backward.recomputed), [n.op for n in backward.recomputed]
+    # what it saves is what the step does not return: not the logits, built whole anyway
+    root = region.match.root.outputs[0]
+    assert id(root) in region.built_whole and region.targets[0] is not root
+    assert region.targets[0].numel == root.numel and region.saved == root.nbytes * 3 // 4
     for g, w in zip(got, want):
         assert relative_error(g, w) <= 1e-4
 

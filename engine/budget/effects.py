@@ -161,14 +161,14 @@ def chunk_effect(region: ChunkRegion, slices: int, curve: Curve, analysis: Analy
     examples = curve.graph.dim_examples
     sizes = region.sizes_for(slices)
     whole = sum(sizes)
-    outputs = {id(o) for o in region.outputs}
+    built_whole = region.built_whole      # what leaves the region saves nothing
     out: list[Interval] = []
     for node in region.nodes:
         if is_view(node, views):
             continue
         for o in node.outputs:
             v = _local(o, curve)
-            if v is None or id(o) in outputs:
+            if v is None or id(o) in built_whole:
                 continue
             size = _bytes(v, examples)
             saved = size - size * max(sizes) // whole

@@ -567,7 +567,7 @@ class _Grower:
         # A large value the step returns (nanoGPT's logits beside the loss) is built whole in any
         # plan: it leaves the region concatenated, and the region is worth running while a large
         # value it computes (the log-softmax, the logits' gradient) is not returned.
-        leaving = {id(v) for v in self.outputs_of(phases)}
+        leaving = self.built_whole(phases)
         if not any(self.large(o) for n in nodes for o in n.outputs if o is not None and id(o) not in leaving):
             raise Refused("every large value of the region is returned by the step, so it is built whole "
                           "anyway")
@@ -595,7 +595,20 @@ class _Grower:
         return ChunkRegion(self.match, nodes, self.meta, inputs,
                            slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
-                           self.means, extent, count_formula, dict(self.reshaped), granule)
+                           self.means, extent, count_formula, dict(self.reshaped), granule,
+                           self.built_whole(phases))
+
+    def built_whole(self, phases: list[ChunkPhase]) -> set[int]:
+        """Ids of what leaves the region, and of the region values it reshapes (views): those
+        exist whole anyway, so the region saves nothing of them."""
+        whole: set[int] = set()
+        for v in self.outputs_of(phases):
+            while v is not None and id(v) not in whole:
+                whole.add(id(v))
+                p = v.producer
+                v = p.inputs[0] if p is not None and id(p) in self.region and self.kind_or_none(p) == "reshape" \
+                    else None
+        return whole
 
     @staticmethod
     def outputs_of(phases: list[ChunkPhase]) -> list[Value]:

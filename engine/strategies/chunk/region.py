@@ -161,6 +161,9 @@ class ChunkRegion:
     # the slices are whole multiples of this many rows (the least common multiple of the
     # denominators of the region values' units): a slice ends on a whole batch row
     granule: int = 1
+    # ids of the region values that exist whole anyway: what leaves the region (concatenated or
+    # summed), and what a leaving value reshapes (the returned logits' (tokens, vocab) form)
+    built_whole: set[int] = field(default_factory=set)
 
     @property
     def slice_size(self) -> Any:
@@ -221,8 +224,17 @@ class ChunkRegion:
 
     @property
     def targets(self) -> list[Value]:
-        """The amplified value that is no longer built whole."""
-        return [self.match.root.outputs[0]]
+        """The amplified value that is no longer built whole: the root's output, or, where the step
+        returns that (nanoGPT's logits), the first value of its size the region computes from it
+        (the logits less their maximum, on the way to the log-softmax)."""
+        root = self.match.root.outputs[0]
+        whole = self.built_whole
+        if id(root) not in whole:
+            return [root]
+        elided = {id(n) for n in self.elided}
+        return next(([o] for n in self.nodes if id(n) not in elided for o in n.outputs
+                     if o is not None and id(o) not in whole and o.numel is not None and root.numel is not None
+                     and simplify(o.numel - root.numel) == 0), [root])
 
     @property
     def saved(self) -> Any:
