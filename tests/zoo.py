@@ -607,6 +607,16 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(torch.randn(base.out_features, r) * 0.01)
         self.scale = alpha / r
 
+    # PEFT's layers forward `weight` and `bias` to the base layer: code that reads them directly
+    # (the bf16 MLP's F.linear) runs the frozen base alone, as it does under PEFT.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
     def forward(self, x):
         return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
 
