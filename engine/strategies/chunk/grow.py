@@ -60,6 +60,7 @@ from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_s
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
+ROW_STATISTIC = 16      # a forward value this many times smaller than the root's output is kept between phases
 
 
 class _TwoPhases(Exception):
@@ -675,18 +676,18 @@ class _Grower:
         region_ids = {id(n) for n in nodes}
         graph_outputs = {id(v) for v in self.graph.outputs}
 
-        def outputs(members: list[Node]) -> list[Value]:
-            return [o for n in members for o in n.outputs
-                    if id(o) in graph_outputs or any(id(u) not in region_ids for u in o.users)]
+        def outputs(members: list[Node], also: dict[int, Value] = {}) -> list[Value]:
+            return [o for n in members for o in n.outputs if id(o) in graph_outputs or id(o) in also
+                    or any(id(u) not in region_ids for u in o.users)]
 
-        def phase(members: list[Node], recomputed: list[Node] = ()) -> ChunkPhase:
+        def phase(members: list[Node], recomputed: list[Node] = (), also: dict[int, Value] = {}) -> ChunkPhase:
             ids = {id(n) for n in members}
             # what the region reads from outside, and what an earlier phase returned (below)
             reads = {id(v): v for n in members for v in n.present_inputs()
                      if (id(v) in self.inputs or self.in_region(v))
                      and (v.producer is None or id(v.producer) not in ids)}
             ins = sorted(reads.values(), key=lambda v: self.position.get(id(v.producer), -1))
-            return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed]),
+            return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed], also),
                               list(recomputed))
 
         # The backward phase: what reads the late inputs, and what reads the incoming gradient any
@@ -709,6 +710,7 @@ class _Grower:
             return [phase(nodes)]       # all of it reads the incoming gradient: it runs in backward
         backward_ids = {id(n) for n in backward}
         needed: dict[int, Node] = {}
+        kept: dict[int, Value] = {}
         stack = [v for n in backward for v in n.present_inputs()]
         while stack:
             v = stack.pop()
@@ -719,11 +721,25 @@ class _Grower:
                 # The step returns it (nanoGPT's logits): it exists whole once the forward phase
                 # has run, and the backward slices read it rather than compute it again.
                 continue
+            if self.row_statistic(v):
+                # A softmax's row maximum and sum, a log-softmax's log-sum-exp: the forward phase
+                # sends them out, the backward slices read them and redo only the elementwise
+                # steps, as flash attention keeps its log-sum-exp.
+                kept[id(v)] = v
+                continue
             needed[id(p)] = p
             stack.extend(p.present_inputs())
         recomputed = [n for n in forward if id(n) in needed]
-        return [phase(forward), phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]),
-                                      recomputed)]
+        return [phase(forward, also=kept),
+                phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]), recomputed)]
+
+    def row_statistic(self, v: Value) -> bool:
+        """Whether `v` is small next to the amplified value (at most 1/ROW_STATISTIC of it) and
+        sliced plainly along the chunk dim: kept between the phases rather than computed again."""
+        m = self.meta.get(id(v))
+        return (m is not None and m.dim is not None and not m.need_sum and not m.scaled and m.rows == Rows()
+                and id(v) not in self.reshaped and v.nbytes is not None
+                and self._bytes(v) * ROW_STATISTIC <= self.threshold * LARGE_FRACTION)
 
     def tangent_chain(self, inputs: list[Value]) -> tuple[Value | None, list[Node]]:
         scaled_inputs = [v for v in inputs if id(v) in self.tangent_ids]
