@@ -20,10 +20,11 @@ from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Att
                         _softcap_inputs)
 
 
-def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False, exporter: str = "make-fx"):
+def _chunked(module, inputs, rule_text: str, count: int, unrolled: bool = False, exporter: str = "make-fx",
+             config: str | None = None):
     exported = export_training_step(module, inputs, exporter=exporter)
     rules = compile_text(rule_text.format(count=count), "chunk.rule")
-    rewrite = apply_rules(import_model(exported.model), rules, unrolled=unrolled)
+    rewrite = apply_rules(import_model(exported.model), rules, config, unrolled=unrolled)
     outputs = run(export_model(rewrite.graph), exported.feeds)
     return exported, rewrite, outputs
 
@@ -133,11 +134,15 @@ def test_losses_written_by_hand_run_in_loops_too(exporter, loss):
 
 @settings(max_examples=6, deadline=None)
 @given(tokens=st.integers(12, 40), lead=st.integers(0, 4), tail=st.integers(0, 4), count=st.integers(2, 12))
+@example(tokens=12, lead=1, tail=1, count=2)
 def test_slices_along_the_chunk_dim_run_in_loops_of_their_own_class(tokens, lead, tail, count):
     """As on torch (test_chunk.py): the rows `[lead:-tail]` keeps fall in the Loops' slices; the
-    first and last slices, which hold fewer of them, run in Loops of their own."""
+    first and last slices, which hold fewer of them, run in Loops of their own. (The plan named
+    in a config: on these few rows the simulated peak may rise with it, and unnamed it would
+    be left out, as tokens=12, lead=tail=1, count=2 drew.)"""
     torch.manual_seed(0)
-    exported, rewrite, outputs = _chunked(SliceThen(lead, tail), (torch.randn(tokens, 8),), CHUNK_RULE, count)
+    exported, rewrite, outputs = _chunked(SliceThen(lead, tail), (torch.randn(tokens, 8),), CHUNK_RULE, count,
+                                          config="MatMul+:3:-1")
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
     [region] = rewrite.chunk_result.chunks
     assert region.edges == (lead, tail) and region.chunks[0] > lead and region.chunks[-1] > tail

@@ -107,7 +107,8 @@ TRAINS = ("full",           # every parameter trained
                             # the blocks' Linear layers the only ones trained
           "frozen_embed")   # the token and position embeddings frozen (tied: the head's weight too)
 RETURNS = ("loss",          # forward returns the loss
-           "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output
+           "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output,
+                            # and the step gives them a gradient of their own too (_step)
 
 # Every switch and its values (the defaults first).
 SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "norm": NORMS, "mlp": MLPS,
@@ -753,10 +754,16 @@ def _frames(err: BaseException, last: int = 8) -> list[str]:
 
 
 def _step(module, inputs):
-    loss = module(*inputs)
-    if isinstance(loss, tuple):         # (logits, loss)
-        loss = loss[-1]
-    loss.backward()
+    out = module(*inputs)
+    if not isinstance(out, tuple):
+        out.backward()
+        return out.detach()
+    # (logits, loss): the logits get a gradient of their own too (an auxiliary loss on them), so
+    # the compiled step's incoming gradient for them is not the zeros nanoGPT's loop gives it,
+    # and a region that dropped it would show
+    logits, loss = out
+    logits_grad = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7)).to(logits.dtype)
+    torch.autograd.backward([loss, logits], [torch.ones_like(loss), logits_grad])
     return loss.detach()
 
 
