@@ -391,3 +391,16 @@ def test_an_outside_value_read_sliced_and_whole_in_one_region_is_refused(whole_f
         assert "Mul n_a reads %z sliced along dim 0, where another node of the region reads it whole" in reason
     else:
         assert "MatMul n_m: its inputs are sliced along different dims" in reason
+
+
+def test_a_region_whose_every_large_value_the_step_returns_is_refused():
+    """A large value the step returns (nanoGPT's logits) may leave a chunk region whole; but a
+    region whose only large value that is would save nothing: refused, said so."""
+    b = GraphBuilder()
+    x = b.input("x", shape=(512, 16))
+    logits = b.op("MatMul", [x, b.input("w", shape=(16, 4096), weight=True)], shape=(512, 4096), name="logits")
+    total = b.op("ReduceSum", [logits], shape=(), name="total", keepdims=0)
+    planning = plan(b.graph([logits, total]), compile_text(CHUNK_HEAD_RULE.format(count=4), "chunk_head.rule"))
+    assert not planning.plans
+    [refusal] = planning.refusals
+    assert "every large value of the region is returned by the step" in refusal.reason.message, refusal.reason

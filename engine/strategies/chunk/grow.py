@@ -569,7 +569,8 @@ class _Grower:
         # plan: it leaves the region concatenated, and the region is worth running while a large
         # value it computes (the log-softmax, the logits' gradient) is not returned.
         leaving = self.built_whole(phases)
-        if not any(self.large(o) for n in nodes for o in n.outputs if o is not None and id(o) not in leaving):
+        if not any(self.large(o) for n in nodes if self.kind_or_none(n) != "reshape"     # views of the others
+                   for o in n.outputs if o is not None and id(o) not in leaving):
             raise Refused("every large value of the region is returned by the step, so it is built whole "
                           "anyway")
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
@@ -676,18 +677,19 @@ class _Grower:
         region_ids = {id(n) for n in nodes}
         graph_outputs = {id(v) for v in self.graph.outputs}
 
-        def outputs(members: list[Node], also: dict[int, Value] = {}) -> list[Value]:
+        def outputs(members: list[Node], also: dict[int, Value]) -> list[Value]:
             return [o for n in members for o in n.outputs if id(o) in graph_outputs or id(o) in also
                     or any(id(u) not in region_ids for u in o.users)]
 
-        def phase(members: list[Node], recomputed: list[Node] = (), also: dict[int, Value] = {}) -> ChunkPhase:
+        def phase(members: list[Node], recomputed: list[Node] = (), also: dict[int, Value] | None = None
+                  ) -> ChunkPhase:
             ids = {id(n) for n in members}
             # what the region reads from outside, and what an earlier phase returned (below)
             reads = {id(v): v for n in members for v in n.present_inputs()
                      if (id(v) in self.inputs or self.in_region(v))
                      and (v.producer is None or id(v.producer) not in ids)}
             ins = sorted(reads.values(), key=lambda v: self.position.get(id(v.producer), -1))
-            return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed], also),
+            return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed], also or {}),
                               list(recomputed))
 
         # The backward phase: what reads the late inputs, and what reads the incoming gradient any
