@@ -13,6 +13,7 @@ run makes it compile there, and the first step's time less a step's is the compi
 the table, then the remat/compile peak ratio last (with --json, then the rows as JSON).
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
+    python bench/torch_step.py --nanogpt ~/nanoGPT/model.py --vocab 50304 --configs eager compile remat
 """
 from __future__ import annotations
 
@@ -68,6 +69,21 @@ def hand_chunked_loss(chunks: int):
     return ChunkedLinearCrossEntropy.apply
 
 
+def nanogpt(args):
+    """nanoGPT's own GPT (its model.py, given by --nanogpt) at this run's sizes: SDPA attention,
+    tied head, forward returns (logits, loss) with ignore_index=-1, no dropout."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", args.nanogpt)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.GPT(module.GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=args.layers,
+                                       n_head=args.heads, n_embd=args.d_model, dropout=0.0, bias=True))
+
+
 def child(name: str, args) -> dict:
     import torch
     import torch.utils.checkpoint
@@ -83,8 +99,8 @@ def child(name: str, args) -> dict:
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
                     heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift,
                     return_logits=args.return_logits)
-    model = gpt(cfg).to(device)
-    inputs = [t.to(device) for t in model.example_inputs()]
+    model = (nanogpt(args) if args.nanogpt else gpt(cfg)).to(device)
+    inputs = [t.to(device) for t in gpt(cfg).example_inputs()]
     if name == "checkpoint":
         for block in model.blocks:
             block.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(
@@ -219,6 +235,9 @@ def main() -> None:
     ap.add_argument("--return-logits", action="store_true",
                     help="the model returns (logits, loss), as nanoGPT and transformers do; the step "
                          "backpropagates the loss")
+    ap.add_argument("--nanogpt", type=Path, metavar="MODEL_PY",
+                    help="run nanoGPT's own model (the model.py of a nanoGPT checkout) at these sizes; it "
+                         "returns (logits, loss)")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -226,6 +245,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/remat-torch-step"))
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line, last")
     args = ap.parse_args()
+    if args.nanogpt:
+        if not args.nanogpt.is_file():
+            ap.error(f"--nanogpt {args.nanogpt}: no such file (give the model.py of a nanoGPT checkout)")
+        unfit = [c for c in args.configs if c in ("checkpoint", "hand-chunked")]
+        if unfit:
+            ap.error(f"--nanogpt: {', '.join(unfit)} reach into this repository's GPT; leave them out (--configs)")
+        if args.attention != "explicit" or args.label_shift:
+            ap.error("--nanogpt runs nanoGPT's model as written: no --attention or --label-shift")
+        args.return_logits = True
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
         print(json.dumps(child(args.child, args)))
@@ -283,8 +311,10 @@ def main() -> None:
     ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device.startswith("cuda") else "MiB (process VmHWM)"
-    print(f"GPT-like: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
-          f"seq {args.seq}, {args.attention} attention{', label shift' if args.label_shift else ''}; "
+    model_name = "nanoGPT" if args.nanogpt else "GPT-like"
+    print(f"{model_name}: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
+          f"seq {args.seq}, {'SDPA' if args.nanogpt else args.attention} attention"
+          f"{', label shift' if args.label_shift else ''}{', returns (logits, loss)' if args.return_logits else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
           f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")
