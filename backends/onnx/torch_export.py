@@ -381,6 +381,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims), written_out=written_out)
     names, params, step, grad_names = traced.names, traced.params, traced.step, traced.grad_names
     forward_outputs = ["loss", *traced.returned]
+    output_names = [*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)]
     input_names = input_names or [f"input{i}" for i in range(len(inputs))]
     dim_examples: dict[str, int] = {}
     dynamic_shapes = None
@@ -400,7 +401,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
             input_names=[*input_names, *(_clean(n) for n in names)],
-            output_names=[*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)])
+            output_names=output_names)
     model = program.model_proto
     onnx.helper.set_model_props(model, {
         FORWARD_OUTPUTS_KEY: json.dumps(forward_outputs),
@@ -408,7 +409,6 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     })
     feeds = {n: t.detach().numpy() for n, t in zip([*input_names, *(_clean(n) for n in names)],
                                                    [*inputs, *params])}
-    output_names = [*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)]
 
     def reference_with(masks: list[np.ndarray] | None) -> dict[str, np.ndarray]:
         # With dropout, attention's too is drawn through F.dropout, in the exported graph's order.

@@ -56,7 +56,7 @@ from ...patterns import Chunk
 from ...shapes import evaluate, is_static
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
                     same_size)
-from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, row_edges, slice_sizes
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, phase_outputs, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -156,6 +156,7 @@ class GraphIndex:
             for i, v in enumerate(n.reads()):
                 self.readers.setdefault(id(v), []).append((n, i))
         self.tangent_ids = self.downstream([v for v in graph.inputs if v.tangent])
+        self.returned = {id(v) for v in graph.outputs}     # what the step returns
 
     def downstream(self, seeds, until: int | None = None) -> set[int]:
         """Ids of the values computed from the values `seeds` (seeds included), through nodes
@@ -553,8 +554,7 @@ class _Grower:
         if any(not ph.outputs for ph in phases):
             raise Refused("nothing outside the region reads its values (dead code): there is nothing to "
                           "run slice by slice")
-        returned = {id(v) for v in self.graph.outputs}
-        for v in self.outputs_of(phases):
+        for v in phase_outputs(phases):
             if id(v) in self.reshaped:
                 # computed in the slices in the shape from before a skipped reshape: the backends
                 # reshape the concatenated slices (nanoGPT's returned (batch, seq, vocab) logits)
@@ -562,7 +562,7 @@ class _Grower:
             m = self.meta[id(v)]
             if m.dim is None and not m.need_sum:
                 raise Refused(f"%{v.name} leaves the region neither sliced nor summed")
-            if m.dim is not None and self.large(v) and id(v) not in returned:
+            if m.dim is not None and self.large(v) and id(v) not in self.index.returned:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is large and read outside "
                               f"the region, so it would be built whole anyway")
         # A large value the step returns (nanoGPT's logits beside the loss) is built whole in any
@@ -597,24 +597,19 @@ class _Grower:
         return ChunkRegion(self.match, nodes, self.meta, inputs,
                            slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())),
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
-                           self.means, extent, count_formula, dict(self.reshaped), granule,
-                           self.built_whole(phases))
+                           self.means, extent, count_formula, dict(self.reshaped), granule, leaving)
 
     def built_whole(self, phases: list[ChunkPhase]) -> set[int]:
         """Ids of what leaves the region, and of the region values it reshapes (views): those
         exist whole anyway, so the region saves nothing of them."""
         whole: set[int] = set()
-        for v in self.outputs_of(phases):
+        for v in phase_outputs(phases):
             while v is not None and id(v) not in whole:
                 whole.add(id(v))
                 p = v.producer
                 v = p.inputs[0] if p is not None and id(p) in self.region and self.kind_or_none(p) == "reshape" \
                     else None
         return whole
-
-    @staticmethod
-    def outputs_of(phases: list[ChunkPhase]) -> list[Value]:
-        return [o for ph in phases for o in ph.outputs]
 
     def _at_examples(self, size: Any) -> int:
         value = evaluate(size, self.examples)
@@ -675,7 +670,7 @@ class _Grower:
         """One phase, or, with `late` inputs, the forward phase (the nodes that do not read
         them) and the backward phase (the rest, and the forward nodes they read, again)."""
         region_ids = {id(n) for n in nodes}
-        graph_outputs = {id(v) for v in self.graph.outputs}
+        graph_outputs = self.index.returned
 
         def outputs(members: list[Node], also: dict[int, Value]) -> list[Value]:
             return [o for n in members for o in n.outputs if id(o) in graph_outputs or id(o) in also

@@ -135,6 +135,11 @@ class ChunkPhase:
     recomputed: list[Node] = field(default_factory=list)   # an earlier phase's nodes, run again here
 
 
+def phase_outputs(phases: list[ChunkPhase]) -> list[Value]:
+    """The values read outside a region, phase by phase."""
+    return [o for phase in phases for o in phase.outputs]
+
+
 @dataclass
 class ChunkRegion:
     match: Match
@@ -216,7 +221,7 @@ class ChunkRegion:
     @property
     def outputs(self) -> list[Value]:
         """The values read outside the region, phase by phase."""
-        return [o for phase in self.phases for o in phase.outputs]
+        return phase_outputs(self.phases)
 
     @property
     def plan_type(self) -> PlanType:
