@@ -320,6 +320,7 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     def compile_with_remat(gm: fx.GraphModule, example_inputs):
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
+        from torch._dynamo.exc import RestartAnalysis
         from torch._inductor.compile_fx import compile_fx
 
         # Donated buffers let the backward write into saved activations it has read for the
@@ -337,6 +338,11 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
                     inductor_config.patch(joint_custom_pre_pass=remat_pass), \
                     functorch_config.patch(donated_buffer=functorch_config.donated_buffer, **reported):
                 return compile_fx(gm, example_inputs)
+        except RestartAnalysis:
+            # Dynamo's signal to trace the frame again (a float it will now specialize,
+            # TensorifyScalarRestartAnalysis): not a failure. Caught as one, the fallback below
+            # compiled the graph without remat on every dynamic-size graph with a float size.
+            raise
         except Exception as err:
             if remat_pass.strict:
                 raise
