@@ -143,7 +143,7 @@ def child(name: str, args) -> dict:
         fn = torch.compile(model, backend=fx_backend.backend(
             tiers=["expensive"], budget=budget, device="cpu" if device.type == "cpu" else str(device)))
 
-    def step() -> torch.Tensor:
+    def step(inputs=inputs) -> torch.Tensor:
         loss = fn(*inputs)
         if args.return_logits:      # nanoGPT's loop: `logits, loss = model(x, y)`, then the loss's backward
             logits, loss = loss
@@ -155,9 +155,15 @@ def child(name: str, args) -> dict:
             p.grad = None
 
     warmup = []
-    for _ in range(2):
+    # --vary-length: the first step's batch is a quarter shorter, as batches padded to their
+    # longest are; at the second length Dynamo recompiles with the length dynamic (automatic
+    # dynamic shapes), and the measured steps run that dynamic graph.
+    short = [t[:, :args.seq - args.seq // 4] for t in inputs]
+    for k in range(2):
         begin = time.perf_counter()
-        step()
+        if k == 1 and args.vary_length:
+            del estimates[:]        # the peak model's estimate: of the graph the measured steps run
+        step(short if args.vary_length and k == 0 else inputs)
         clear()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -184,8 +190,9 @@ def child(name: str, args) -> dict:
     seconds = sorted(times)[len(times) // 2]
     # The first step compiles (in the timed process, whose Inductor cache starts empty): its time
     # less a step's is the compile time.
+    compiling = warmup if args.vary_length else warmup[:1]
     return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
-            "compile_seconds": max(0.0, warmup[0] - seconds),
+            "compile_seconds": max(0.0, sum(compiling) - len(compiling) * seconds),
             "estimate": sum(estimates) / 2**20 if estimates else None}
 
 
@@ -238,6 +245,10 @@ def main() -> None:
     ap.add_argument("--nanogpt", type=Path, metavar="MODEL_PY",
                     help="run nanoGPT's own model (the model.py of a nanoGPT checkout) at these sizes; it "
                          "returns (logits, loss)")
+    ap.add_argument("--vary-length", action="store_true",
+                    help="the first warm-up step runs a shorter sequence, so Dynamo recompiles with the "
+                         "length dynamic (automatic dynamic shapes) and every configuration is measured "
+                         "on its dynamic graph")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -314,7 +325,8 @@ def main() -> None:
     model_name = "nanoGPT" if args.nanogpt else "GPT-like"
     print(f"{model_name}: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
           f"seq {args.seq}, {'SDPA' if args.nanogpt else args.attention} attention"
-          f"{', label shift' if args.label_shift else ''}{', returns (logits, loss)' if args.return_logits else ''}; "
+          f"{', label shift' if args.label_shift else ''}{', returns (logits, loss)' if args.return_logits else ''}"
+          f"{', length dynamic (a shorter first batch)' if args.vary_length else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
           f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from .dtypes import DType
@@ -130,6 +131,19 @@ class Node:
         return f"Node({self.name or '?'}: {self.op})"
 
 
+class SliceSizes(Enum):
+    """How a backend builds the slices of a chunk region whose chunked dim has a dynamic size."""
+
+    STATIC = "static"            # slices of static sizes only: such a region is refused
+    # A count fixed at the example sizes, the slices' sizes formulas of the dynamic size: every
+    # slice but the last floor(size / count) rows, the last the rest, never negative (fx:
+    # one `invoke_subgraph` call per slice, bodies compiled for symbolic shapes).
+    FIXED_COUNT = "fixed count"
+    # The count and the sizes computed in the graph from the dynamic dims (ONNX: from `Shape`,
+    # slices of ceil(size / count) rows run by a Loop).
+    COMPUTED = "computed"
+
+
 @dataclass(eq=False)
 class Graph:
     """Nodes in schedule order over values; `dim_examples` turns symbolic sizes into bytes."""
@@ -143,9 +157,11 @@ class Graph:
     meta: dict[str, Any] = field(default_factory=dict)
     # The forward part's outputs (by default the first graph output, the loss).
     forward_outputs: list[str] | None = None
-    # The backend that owns the graph computes a chunk region's slices in the graph (ONNX: from
-    # `Shape`), so slices of a dynamic size are planned; otherwise they are refused.
-    symbolic_slices: bool = False
+    # How the backend that owns the graph slices a chunk region over a dynamic size (SliceSizes).
+    slicing: SliceSizes = SliceSizes.STATIC
+    # The backend reshapes a chunk region's input, or its concatenated output, to a shape of
+    # dynamic sizes (fx: from the graph's own SymInts); otherwise only static ones are planned.
+    dynamic_reshapes: bool = False
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -218,7 +234,8 @@ class Graph:
                          meta=dict(n.meta), backend_nodes=list(n.backend_nodes))
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
-                     dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.symbolic_slices)
+                     dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.slicing,
+                     self.dynamic_reshapes)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

@@ -329,6 +329,27 @@ def test_chunk_sizes_cover_the_dim_with_at_most_count_slices():
         slice_sizes(sympy.Symbol("n", positive=True, integer=True), 4)
 
 
+def test_a_fixed_count_of_slices_of_a_dynamic_size_is_never_negative_and_its_largest_is_the_last():
+    """SliceSizes.FIXED_COUNT (fx): the same count at every size, floor(n / count) rows each and the
+    rest in the last, which ChunkRegion.slice_size gives as a formula: the region's saving."""
+    from engine.strategies.chunk import ChunkRegion, even_slices
+    from engine.ir import SliceSizes
+
+    assert even_slices(10, 4) == [2, 2, 2, 4] and even_slices(512, 4) == [128] * 4
+    for n in range(0, 40):
+        for count in range(1, 9):
+            sizes = even_slices(n, count)
+            assert len(sizes) == count and sum(sizes) == n and min(sizes) >= 0 and max(sizes) == sizes[-1]
+    n = sympy.Symbol("n", positive=True, integer=True)
+    region = ChunkRegion(None, [], {}, [], even_slices(100, 8), extent=n, count=8, slicing=SliceSizes.FIXED_COUNT)
+    assert all(int(region.slice_size.subs(n, k)) == even_slices(k, 8)[-1] for k in (8, 13, 100, 1023))
+    region.reslice(3)
+    assert region.chunks == [33, 33, 34] and region.count == 3
+    region.reslice(4)
+    # the last slice has a size formula of its own, though here it has the others' size
+    assert region.chunks == [25] * 4 and region.slice_class(75, 100) != region.slice_class(25, 50)
+
+
 
 def test_onnx_parameters_keep_their_places_past_an_absent_optional_input():
     """ONNX writes an optional input it leaves out as "" and keeps the later ones in place:

@@ -65,3 +65,40 @@ def test_gpt2_compiled_as_users_call_it_returns_its_logits_and_still_chunks_the_
     assert region.match.rule.name == "chunk_linear_cross_entropy" and len(region.phases) == 2
     errors = relative_errors(got, want)
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_gpt2_on_batches_padded_to_their_longest_keeps_the_loss_chunk_once_the_length_goes_dynamic(
+        fresh_compiles):
+    """Fine-tuning as transformers' collators feed it: each batch padded to its longest sequence,
+    the padding masked and its labels -100. At the second length Dynamo recompiles with the
+    length dynamic (automatic dynamic shapes); the loss chunk is built there too, its slices of
+    symbolic sizes (the mask's length is the ids' by Dynamo's replacement, the symbol the body
+    must be given), and every length's loss, logits and gradients are eager's."""
+    import sympy
+
+    import backends.fx as fx_backend
+
+    wrapped, (ids, labels) = hf_models.gpt2(vocab=16384, d=64, layers=1, heads=4, batch=2, seq=256)
+    model = wrapped.model
+
+    def step(fn, length):
+        i, target = ids[:, :length], labels[:, :length].clone()
+        mask = torch.ones_like(i)
+        mask[1, length - 20:] = 0
+        target[1, length - 20:] = -100
+        out = fn(input_ids=i, labels=target, attention_mask=mask)
+        out.loss.backward()
+        got = {"loss": out.loss.detach().numpy(), "logits": out.logits.detach().numpy(),
+               **{n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+        model.zero_grad(set_to_none=True)
+        return got
+
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat)
+    for length in (256, 200, 181):
+        errors = relative_errors(step(compiled, length), step(model, length))
+        assert max(errors.values()) < 1e-4, (length, max(errors.items(), key=lambda kv: kv[1]))
+    static, dynamic = remat.remat_pass.chunk_results
+    [region] = dynamic.chunks
+    assert remat.remat_pass.chunked == 2 and static.chunks[0].extent is None
+    assert isinstance(region.extent, sympy.Expr) and region.extent.free_symbols and len(region.phases) == 2

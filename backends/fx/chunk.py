@@ -24,6 +24,7 @@ from engine.errors import GraphError
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
+from .sizes import SizeNodes, free_symbols
 
 aten = torch.ops.aten
 
@@ -90,8 +91,36 @@ def _with_size(node: fx.Node, dim: int, size: int, env: dict[fx.Node, fx.Node], 
     return copy
 
 
-def _fake_slice(t: torch.Tensor, meta, start: int, end: int, total: int) -> torch.Tensor:
-    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *meta.span(start, end, total))
+@dataclass(frozen=True)
+class _Slice:
+    """Slice `index` of `count`: rows [start, end) of the `total` rows of the chunked value at the
+    example sizes. Over a dynamic size (the region's `extent`; SliceSizes.FIXED_COUNT) its
+    bounds are SymInts of that size, laid out as engine even_slices does: floor(size / count)
+    rows each, the last the rest."""
+
+    start: int
+    end: int
+    total: int
+    index: int
+    count: int
+    dynamic: bool
+
+    def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b)) -> tuple:
+        """The rows of a value with `meta` in this slice. `size`: that value's rows along its
+        chunk dim, where dynamic (a SymInt, or the fx node of one, `apply` then emitting the
+        arithmetic as nodes). The grower plans dynamic regions with unit rows only."""
+        if not self.dynamic:
+            return meta.span(self.start, self.end, self.total)
+        if meta.unit != 1 or meta.rows.shifted:
+            raise GraphError(f"remat bug: a region over a dynamic size has rows {meta.rows}")
+        step = apply(operator.floordiv, size, self.count)
+        start = 0 if self.index == 0 else apply(operator.mul, step, self.index)
+        end = size if self.index == self.count - 1 else apply(operator.mul, step, self.index + 1)
+        return start, end
+
+
+def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice) -> torch.Tensor:
+    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim]))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -103,36 +132,52 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     in_region = {_fx(n.backend_nodes[0], by_name) for n in region.nodes}
     elided = {_fx(n.backend_nodes[0], by_name) for n in region.elided}
     phases = []
+    shapes = SizeNodes(graph)
     for phase in region.phases:
         body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
         meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
         # A literal operand (`x / 8.0`) is written inline in the node that reads it.
         read = [v for v in phase.inputs if not v.literal]
         inputs = [_fx(v.name, by_name) for v in read]
-        input_meta = [_Read(region.meta_of(v), region.reshaped_to(v)) for v in read]
+        input_meta = [_read(region, v, by_name) for v in read]
         outputs = [_fx(v.name, by_name) for v in phase.outputs]
-        output_meta = [_Read(region.meta_of(v), region.reshaped_to(v)) for v in phase.outputs]
+        output_meta = [_read(region, v, by_name) for v in phase.outputs]
         recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
         # The subgraphs first, one per class of slice (its size; the first or last where the
         # region's values start in or end short, Rows): a region that cannot be built raises
         # before the graph is touched.
-        total = sum(region.chunks)
+        # The sizes the body reads from outside (a dynamic graph's SymInts in a view's shape):
+        # arguments of every call.
+        sizes = list(dict.fromkeys(a for n in body for a in n.all_input_nodes
+                                   if a not in meta_by_fx and isinstance(a.meta.get("val"), torch.SymInt)))
+        if region.extent is not None:
+            # ... and each symbol of the inputs' sizes, by itself: Inductor compiles a body for
+            # symbolic shapes only where it can read every symbol in them from its inputs (a
+            # slice of (2 * s0) // 4 rows does not give s0).
+            symbols = [shapes.symbol(s) for s in free_symbols([x.meta["val"] for x in inputs + sizes])]
+            sizes = list(dict.fromkeys(sizes + symbols))
         built = {}
-        for start, end in region.slices():
-            key = region.slice_class(start, end)
+        for piece in _slices(region):
+            key = region.slice_class(piece.start, piece.end)
             if key not in built:
-                built[key] = _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start, end, total)
-        phases.append((body, inputs, input_meta, outputs, output_meta, recomputed, built))
+                built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece)
+        phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
     combined: dict[fx.Node, fx.Node] = {}      # an earlier phase's outputs, as its slices combined
-    for k, (body, inputs, input_meta, outputs, output_meta, recomputed, built) in enumerate(phases):
+    for k, (body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built) in enumerate(phases):
         subgraphs = {key: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (key, sub) in enumerate(built.items())}
-        combined.update(_rewire(graph, region, [combined.get(x, x) for x in inputs], input_meta, outputs,
-                                output_meta, body, recomputed, in_region, subgraphs))
+        combined.update(_rewire(graph, region, [combined.get(x, x) for x in inputs], input_meta, sizes, outputs,
+                                output_meta, body, recomputed, in_region, subgraphs, shapes))
     for fx_node in reversed(list(graph.nodes)):     # what only a later phase read (the returned logits)
         if fx_node in in_region and not fx_node.users:
             graph.erase_node(fx_node)
     graph.lint()
     _propagate_fake(gm, {n for n in graph.nodes if n not in before})
+
+
+def _slices(region: ChunkRegion) -> list[_Slice]:
+    total, count = sum(region.chunks), len(region.chunks)
+    return [_Slice(start, end, total, k, count, region.extent is not None)
+            for k, (start, end) in enumerate(region.slices())]
 
 
 def _attribute(gm: fx.GraphModule, sub: fx.GraphModule, attr: str) -> str:
@@ -168,7 +213,8 @@ def _body_key(sub: fx.GraphModule) -> str:
         index[node] = k
         if node.op == "placeholder":
             val = node.meta.get("val")
-            parts.append(("in", tuple(val.shape), tuple(val.stride()), str(val.dtype), str(val.device)))
+            parts.append(("size", str(val)) if isinstance(val, torch.SymInt) else
+                         ("in", tuple(val.shape), tuple(val.stride()), str(val.dtype), str(val.device)))
         else:
             parts.append((node.op, str(node.target), canon(node.args), canon(node.kwargs)))
     return repr(parts)
@@ -177,15 +223,21 @@ def _body_key(sub: fx.GraphModule) -> str:
 @dataclass(frozen=True)
 class _Read:
     """How a region input is sliced, or a region output combined: its chunk meta, and the shape
-    it has in the slices where that is not its own (ChunkRegion.reshaped_to)."""
+    it has in the slices where that is not its own (ChunkRegion.reshaped_to), ints and SymInts."""
 
     meta: ChunkMeta
     reshaped: tuple | None = None
 
 
+def _read(region: ChunkRegion, v, by_name: dict[str, fx.Node]) -> _Read:
+    like = region.shaped_like(v)
+    return _Read(region.meta_of(v), None if like is v else tuple(_fx(like.name, by_name).meta["val"].shape))
+
+
 def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list[_Read],
-            outputs: list[fx.Node], output_meta: list[_Read], body: list[fx.Node], recomputed: set[fx.Node],
-            in_region: set[fx.Node], subgraphs: dict[tuple, str]) -> dict[fx.Node, fx.Node]:
+            sizes: list[fx.Node], outputs: list[fx.Node], output_meta: list[_Read], body: list[fx.Node],
+            recomputed: set[fx.Node], in_region: set[fx.Node], subgraphs: dict[tuple, str],
+            shapes: SizeNodes) -> dict[fx.Node, fx.Node]:
     """Call the subgraphs once per slice in place of `body`, and send the region's readers
     (never its other phase) to the combined outputs, which are returned: a later phase reads
     them too."""
@@ -197,25 +249,35 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
     with graph.inserting_before(out_node):
         unscaled: dict[fx.Node, fx.Node] = {}
         if tangent is not None:
-            unscaled[tangent] = _full(graph, tangent, 1.0)
+            unscaled[tangent] = _full(graph, tangent, 1.0, shapes)
             for fx_node in chain:
                 unscaled[fx_node] = graph.node_copy(fx_node, lambda x: unscaled.get(x, x))
-        operands = [_detached_like(graph, unscaled.get(x, x)) for x in inputs]
-        operands = [x if r.reshaped is None else graph.call_function(aten.reshape.default, (x, list(r.reshaped)))
+        operands = [_detached_like(graph, unscaled.get(x, x), shapes) for x in inputs]
+        operands = [x if r.reshaped is None else
+                    graph.call_function(aten.reshape.default, (x, shapes.shape(r.reshaped)))
                     for x, r in zip(operands, input_meta)]
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
-        sums = {k: _full(graph, o, 0.0) for k, (o, r) in enumerate(zip(outputs, output_meta)) if r.meta.need_sum}
-        total = sum(region.chunks)
-        for start, end in region.slices():
+        sums = {k: _full(graph, o, 0.0, shapes) for k, (o, r) in enumerate(zip(outputs, output_meta))
+                if r.meta.need_sum}
+        def emit(f, a, b):
+            return graph.call_function(f, (a, b))
+
+        rows: dict[tuple[fx.Node, int], fx.Node] = {}      # a dynamic region: each operand's rows
+        for piece in _slices(region):
             args = []
             for x, r in zip(operands, input_meta):
                 m = r.meta
-                args.append(x if m.dim is None else graph.call_function(
-                    aten.slice.Tensor, (x, m.dim, *m.span(start, end, total))))
-            attr = subgraphs[region.slice_class(start, end)]
+                if m.dim is None:
+                    args.append(x)
+                    continue
+                size = rows.get((x, m.dim))
+                if piece.dynamic and size is None:
+                    size = rows[x, m.dim] = graph.call_function(aten.sym_size.int, (x, m.dim))
+                args.append(graph.call_function(aten.slice.Tensor, (x, m.dim, *piece.bounds(m, size, emit))))
+            attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
-                                       (graph.get_attr(attr), attr, *args, *sums.values()))
+                                       (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
             for k, r in enumerate(output_meta):
                 item = graph.call_function(operator.getitem, (call, k))
                 if r.meta.need_sum:
@@ -228,7 +290,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
             m = r.meta
             whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
             if r.reshaped is not None:      # computed in the shape from before a skipped reshape
-                whole = graph.call_function(aten.reshape.default, (whole, list(orig.meta["val"].shape)))
+                whole = graph.call_function(aten.reshape.default, (whole, shapes.shape(orig.meta["val"].shape)))
             if m.scaled:
                 whole = graph.call_function(aten.mul.Tensor, (whole, tangent))
             orig.replace_all_uses_with(whole, delete_user_cb=lambda user: user not in in_region)
@@ -248,18 +310,19 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
 _LIKE = {aten.full_like.default: None, aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0}
 
 
-def _detached_like(graph: fx.Graph, x: fx.Node) -> fx.Node:
+def _detached_like(graph: fx.Graph, x: fx.Node, shapes: SizeNodes) -> fx.Node:
     """A `ones_like(loss)` the region reads is made anew from its shape: the loss it is shaped
     like comes after the region."""
     if x.op != "call_function" or x.target not in _LIKE:
         return x
-    return _full(graph, x, x.args[1] if x.target is aten.full_like.default else _LIKE[x.target])
+    return _full(graph, x, x.args[1] if x.target is aten.full_like.default else _LIKE[x.target], shapes)
 
 
-def _full(graph: fx.Graph, like: fx.Node, fill: float) -> fx.Node:
+def _full(graph: fx.Graph, like: fx.Node, fill: float, shapes: SizeNodes) -> fx.Node:
     """A new tensor of `fill` with the shape, dtype and device of `like`'s value."""
     val = like.meta["val"]
-    return graph.call_function(aten.full.default, (list(val.shape), fill), {"dtype": val.dtype, "device": val.device})
+    return graph.call_function(aten.full.default, (shapes.shape(val.shape), fill),
+                               {"dtype": val.dtype, "device": val.device})
 
 
 def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:
@@ -291,18 +354,28 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
         output.prepend(n)
 
 
-def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start: int, end: int,
-           total: int) -> fx.GraphModule:
-    """The body of the slice [start, end) of the `total` rows of the chunked value (and of every
-    slice of its class, ChunkRegion.slice_class)."""
+def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: _Slice) -> fx.GraphModule:
+    """The body of one slice (and of every slice of its class, ChunkRegion.slice_class)."""
+    start, end, total = piece.start, piece.end, piece.total
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     meta_of = {x: r.meta for x, r in zip(inputs, input_meta)} | meta_by_fx
     for x, r in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
-        p.meta["val"] = _fake_slice(val, r.meta, start, end, total)
+        p.meta["val"] = _fake_slice(val, r.meta, piece)
         env[x] = p
+    for x in sizes:
+        env[x] = sub.placeholder(x.name)
+        env[x].meta["val"] = x.meta["val"]
+    # A dynamic region's slice length, as the body's own size: read from its first sliced input.
+    first = next(((env[x], r.meta.dim) for x, r in zip(inputs, input_meta) if r.meta.dim is not None), None)
+    if piece.dynamic:
+        if first is None:
+            raise GraphError("a chunk region over a dynamic size reads no sliced input")
+        length = sub.call_function(aten.sym_size.int, first)
+        length.meta["val"] = first[0].meta["val"].shape[first[1]]
+        env[length] = length
     sliced = {x for x, r in zip(inputs, input_meta) if r.meta.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
@@ -313,7 +386,8 @@ def _build(body, inputs, input_meta, outputs, meta_by_fx, elided, start: int, en
         elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
             # Its output shape is written in its arguments (a view's target, the zeros a loss
             # gradient scatters into): the slice's size goes there.
-            env[fx_node] = _with_size(fx_node, m.dim, m.length(start, end, total), env, sub)
+            env[fx_node] = _with_size(fx_node, m.dim, length if piece.dynamic else m.length(start, end, total),
+                                      env, sub)
         elif fx_node.target in _SLICE_BOUNDS and _along_chunk_dim(fx_node, meta_of):
             env[fx_node] = _with_bounds(fx_node, meta_of, start, end, total, env, sub)
         else:

@@ -182,11 +182,12 @@ def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
 
 
 # Dynamo makes a dim dynamic on its own when a second size reaches a compiled frame (its
-# automatic dynamic shapes): training on batches padded to their longest sequence loses the
-# chunk plans from the second batch on, which the user should hear of once, with the way out.
+# automatic dynamic shapes): a chunk region whose slices need static sizes (whole groups of a
+# reshape, a label shift's slice inside the chunked dim) is lost from the second batch on,
+# which the user should hear of once, with the way out.
 DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (dynamic=True, "
                   "mark_dynamic, or Dynamo's automatic dynamic shapes once a second input size "
-                  "arrives), and the torch backend builds chunk slices at static sizes; the "
+                  "arrives), and these regions' slices are built at static sizes only; the "
                   "recompute plans still apply. To keep the chunks, compile with dynamic=False and "
                   "pad the inputs to a few lengths (a multiple of 256, say): each length compiles once, up to "
                   "torch._dynamo.config.recompile_limit lengths")

@@ -17,7 +17,7 @@ from torch import fx
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import Graph, Node, Value
+from engine.ir import Graph, Node, SliceSizes, Value
 from engine.shapes import parse_dim
 
 from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, OPERAND_ORDER, SCALAR_OPERANDS, canonical_attributes
@@ -183,7 +183,10 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             nodes[-1].plan = fx_node.meta.get(PLAN)
         elif fx_node.op == "output":
             outputs = [values[a] for a in _flat_nodes(fx_node.args)]
-            result = Graph(nodes, inputs, outputs, attributes, name="joint")
+            # backends.fx.chunk runs a fixed count of slices whose sizes are SymInts, and writes the
+            # shapes it reshapes to from the graph's own sizes (backends.fx.sizes)
+            result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
+                           dynamic_reshapes=True)
             result.dim_examples = _dim_examples(graph)
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()

@@ -50,7 +50,7 @@ from engine.ir import Graph, Node, Value
 from engine.shapes import evaluate
 
 from .aten_ops import slice_arguments
-from .importer import _DTYPES, PLAN, _dim
+from .importer import _DTYPES, PLAN, _dim, _dim_examples
 from .modules import working_module
 
 _ATEN = torch.ops.aten
@@ -621,7 +621,8 @@ def step_peak(step: Step) -> int:
 def step_estimate(step: Step) -> PeakEstimate:
     """`simulate_peak` of the step's kernel program (`program`) under Inductor's memory planning."""
     graph, kernels = program(step)
-    return simulate_peak(graph, model=inductor_memory(step, kernels))
+    # A dynamic graph's sizes are formulas: in bytes at the sizes it was traced at.
+    return simulate_peak(graph, model=inductor_memory(step, kernels), dim_examples=_dim_examples(step.module.graph))
 
 
 def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:

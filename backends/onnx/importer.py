@@ -11,7 +11,7 @@ from onnx import helper
 
 from engine.dtypes import DType
 from engine.errors import GraphError
-from engine.ir import Graph, Node, Value
+from engine.ir import Graph, Node, SliceSizes, Value
 from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.report import symbolic_dims
 from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
@@ -140,7 +140,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     graph.dim_examples.update(_check_dim_examples(graph, dim_examples or {}, label))
     _check_dims_at_examples(graph, label)
     graph.meta["onnx_model"] = model
-    graph.symbolic_slices = True        # backends.onnx.chunk computes dynamic slices from `Shape`
+    graph.slicing = SliceSizes.COMPUTED      # backends.onnx.chunk computes dynamic slices from `Shape`
     return graph
 
 

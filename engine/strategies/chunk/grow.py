@@ -50,13 +50,13 @@ from fractions import Fraction
 from typing import Any
 
 from ...guards import Unproven, evaluate_expr
-from ...ir import Graph, Node, Value
+from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
                     same_size)
-from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, phase_outputs, row_edges, slice_sizes
+from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, even_slices, phase_outputs, row_edges, slice_sizes
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -114,8 +114,11 @@ def _same_shape(a: Value, b: Value) -> bool:
             and all(same_size(x, y) for x, y in zip(a.shape, b.shape)))
 
 
-def _static_reshape(node: Node, v: Value, like: Value) -> None:
-    """Refuse a reshape between `v` and `like`'s shape that the backends would build at a dynamic size."""
+def _static_reshape(graph: Graph, node: Node, v: Value, like: Value) -> None:
+    """Refuse a reshape between `v` and `like`'s shape at a dynamic size where the backend builds
+    static ones only (Graph.dynamic_reshapes)."""
+    if graph.dynamic_reshapes:
+        return
     if v.shape is None or like.shape is None or not all(is_static(d) for d in (*v.shape, *like.shape)):
         raise RefusedDynamic(f"{node.op} {node.name}: %{v.name} would be reshaped between {v.shape} and the "
                              f"shape {like.shape} of %{like.name} outside the slices, which is built at "
@@ -462,7 +465,7 @@ class _Grower:
         if id(v) in self.inputs and self.reshaped.get(id(v)) is not like:
             raise Refused(f"{node.op} {node.name} reads %{v.name} in the shape of %{like.name}, where another "
                           f"node of the region reads it in its own shape")
-        _static_reshape(node, v, like)
+        _static_reshape(self.graph, node, v, like)
         self.reshaped[id(v)] = like
         self.read_outside(node, v, meta, False)
 
@@ -558,7 +561,7 @@ class _Grower:
             if id(v) in self.reshaped:
                 # computed in the slices in the shape from before a skipped reshape: the backends
                 # reshape the concatenated slices (nanoGPT's returned (batch, seq, vocab) logits)
-                _static_reshape(v.producer, v, self.reshaped[id(v)])
+                _static_reshape(self.graph, v.producer, v, self.reshaped[id(v)])
             m = self.meta[id(v)]
             if m.dim is None and not m.need_sum:
                 raise Refused(f"%{v.name} leaves the region neither sliced nor summed")
@@ -582,22 +585,25 @@ class _Grower:
             raise Refused(f"{coarse.op} {coarse.name} splits the chunked dim into "
                           f"groups of {granule} rows, and the {self.size} rows of %{first.name} are "
                           f"{self._at_examples(self.size) // granule} such group(s): nothing to run slice by slice")
-        extent, count_formula = None, None
-        if not is_static(self.size) or not is_static(formula):
-            if not self.graph.symbolic_slices:
+        extent, count_formula, slicing = None, None, SliceSizes.STATIC
+        fixed = self.graph.slicing is SliceSizes.FIXED_COUNT
+        if not is_static(self.size) or (not is_static(formula) and not fixed):
+            if self.graph.slicing is SliceSizes.STATIC:
                 raise RefusedDynamic(f"the chunked dim has the symbolic size {self.size} (or the slice count "
                                      f"`{action.count.text}` depends on a dynamic dim); this backend builds "
                                      f"slices of static sizes only")
             if any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
                 raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
                                      f"a slice along the chunk dim needs slices built at static sizes")
-            extent, count_formula = self.size, formula
+            # A fixed count is the count at the example sizes: every size runs that many slices.
+            extent, count_formula, slicing = self.size, count if fixed else formula, self.graph.slicing
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
-        return ChunkRegion(self.match, nodes, self.meta, inputs,
-                           slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())),
+        sizes = (even_slices(self._at_examples(self.size), count) if slicing is SliceSizes.FIXED_COUNT else
+                 slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())))
+        return ChunkRegion(self.match, nodes, self.meta, inputs, sizes,
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
-                           self.means, extent, count_formula, dict(self.reshaped), granule, leaving)
+                           self.means, extent, count_formula, dict(self.reshaped), granule, leaving, slicing)
 
     def built_whole(self, phases: list[ChunkPhase]) -> set[int]:
         """Ids of what leaves the region, and of the region values it reshapes (views): those

@@ -8,7 +8,7 @@ from typing import Any
 
 import sympy
 
-from ...ir import Node, Value
+from ...ir import Node, SliceSizes, Value
 from ...matcher import Match
 from ...plan_type import PlanType
 from ...shapes import simplify
@@ -33,6 +33,16 @@ def slice_sizes(size: Any, count: int, granule: int = 1, lead: int = 0, tail: in
     while len(sizes) > 1 and sizes[0] <= lead:
         sizes[:2] = [sizes[0] + sizes[1]]
     return sizes
+
+
+def even_slices(size: int, count: int) -> list[int]:
+    """`size` rows in `count` slices as a fixed count of slices of a dynamic size lays them out
+    (SliceSizes.FIXED_COUNT): floor(size / count) rows each, the last one the rest, so no
+    slice is ever of a negative size, whatever the size."""
+    if count < 1:
+        raise RuntimeError(f"remat bug: {count} slices")
+    step = size // count
+    return [step] * (count - 1) + [size - step * (count - 1)]
 
 
 @dataclass(frozen=True)
@@ -169,12 +179,19 @@ class ChunkRegion:
     # ids of the region values that exist whole anyway: what leaves the region (concatenated or
     # summed), and what a leaving value reshapes (the returned logits' (tokens, vocab) form)
     built_whole: set[int] = field(default_factory=set)
+    # How the slices of a dynamic extent are laid out (the graph's SliceSizes); STATIC when the
+    # slices are static
+    slicing: SliceSizes = SliceSizes.STATIC
 
     @property
     def slice_size(self) -> Any:
-        """The size of every slice but the last, a formula when the region is dynamic."""
+        """The largest slice's size, a formula when the region is dynamic: ceil(extent / count)
+        where the graph computes them (every slice but the last), the last one's where the
+        count is fixed (even_slices)."""
         if self.extent is None:
             return max(self.chunks)
+        if self.slicing is SliceSizes.FIXED_COUNT:
+            return simplify(self.extent - (self.count - 1) * sympy.floor(self.extent / self.count))
         return simplify(sympy.ceiling(self.extent / sympy.Max(self.count, 1)))
 
     @property
@@ -183,6 +200,8 @@ class ChunkRegion:
 
     def sizes_for(self, count: int) -> list[int]:
         """The slices' sizes in `count` slices (at the example sizes)."""
+        if self.slicing is SliceSizes.FIXED_COUNT:
+            return even_slices(sum(self.chunks), count)
         return slice_sizes(sum(self.chunks), count, self.granule, *self.edges)
 
     @property
@@ -202,7 +221,9 @@ class ChunkRegion:
         where a region value starts in or ends short there (Rows.lead, Rows.tail): slices of
         one class run the same body on the same shapes."""
         lead, tail = self.edges
-        return end - start, bool(lead) and start == 0, bool(tail) and end == sum(self.chunks)
+        # A fixed count's last slice has a size formula of its own, whatever its size here.
+        last = bool(tail) or self.slicing is SliceSizes.FIXED_COUNT
+        return end - start, bool(lead) and start == 0, last and end == sum(self.chunks)
 
     def reslice(self, count: int) -> None:
         """Run the region in `count` slices instead (the budget planner's choice)."""
@@ -261,7 +282,8 @@ class ChunkRegion:
     def reshaped_to(self, value: Value) -> tuple | None:
         """The shape a region input is reshaped to before it is sliced, or a region output has
         when its slices are concatenated, where that is not its own: the shape from before a
-        skipped reshape (the grower allows it at static sizes only). None otherwise."""
+        skipped reshape (formulas at dynamic sizes, where the graph's backend builds such
+        reshapes, Graph.dynamic_reshapes). None otherwise."""
         like = self.reshaped.get(id(value))
         return None if like is None else tuple(like.shape)
 
