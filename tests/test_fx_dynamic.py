@@ -138,3 +138,22 @@ def test_returned_logits_at_dynamic_lengths_leave_the_loss_chunk_whole_and_resha
     [chunking] = remat.remat_pass.chunk_results
     [region] = chunking.chunks
     assert len(region.phases) == 2 and region.extent.free_symbols and region.reshaped
+
+
+def test_attention_chunks_at_dynamic_lengths(fresh_compiles):
+    """The attention's scores (batch x heads x seq x seq, 16 MiB at the first length) chunked along
+    the queries at symbolic sizes. The region reads the sequence length itself (a SymInt input of
+    the graph, for the causal mask) as an input, which the body was also given as one of its
+    sizes: a duplicate argument, and the plan dropped, until the sizes left out the inputs."""
+    model = gpt(GPTConfig(vocab=4096, d_model=64, layers=1, heads=4, seq=512, batch=4, dropout=0.0))
+    remat = fx_backend.backend(strict=True, tiers=["expensive"])
+    compiled = torch.compile(model, backend=remat, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for length in (512, 401):
+        inputs = [torch.randint(0, 4096, (4, length), generator=g) for _ in range(2)]
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4, length
+        assert max(relative_error(a, b) for a, b in zip(grads, want_grads)) < 1e-4, length
+    keys = [r.key for result in remat.remat_pass.chunk_results for r in result.chunks]
+    assert "MatMul+Softmax+" in keys and not remat.remat_pass.failures

@@ -133,35 +133,39 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     elided = {_fx(n.backend_nodes[0], by_name) for n in region.elided}
     phases = []
     shapes = SizeNodes(graph)
-    for phase in region.phases:
-        body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
-        meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
-        # A literal operand (`x / 8.0`) is written inline in the node that reads it.
-        read = [v for v in phase.inputs if not v.literal]
-        inputs = [_fx(v.name, by_name) for v in read]
-        input_meta = [_read(region, v, by_name) for v in read]
-        outputs = [_fx(v.name, by_name) for v in phase.outputs]
-        output_meta = [_read(region, v, by_name) for v in phase.outputs]
-        recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
-        # The subgraphs first, one per class of slice (its size; the first or last where the
-        # region's values start in or end short, Rows): a region that cannot be built raises
-        # before the graph is touched.
-        # The sizes the body reads from outside (a dynamic graph's SymInts in a view's shape):
-        # arguments of every call.
-        sizes = list(dict.fromkeys(a for n in body for a in n.all_input_nodes
-                                   if a not in meta_by_fx and isinstance(a.meta.get("val"), torch.SymInt)))
-        if region.extent is not None:
-            # ... and each symbol of the inputs' sizes, by itself: Inductor compiles a body for
-            # symbolic shapes only where it can read every symbol in them from its inputs (a
-            # slice of (2 * s0) // 4 rows does not give s0).
-            symbols = [shapes.symbol(s) for s in free_symbols([x.meta["val"] for x in inputs + sizes])]
-            sizes = list(dict.fromkeys(sizes + symbols))
-        built = {}
-        for piece in _slices(region):
-            key = region.slice_class(piece.start, piece.end)
-            if key not in built:
-                built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece)
-        phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
+    try:
+        for phase in region.phases:
+            body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
+            meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
+            # A literal operand (`x / 8.0`) is written inline in the node that reads it.
+            read = [v for v in phase.inputs if not v.literal]
+            inputs = [_fx(v.name, by_name) for v in read]
+            input_meta = [_read(region, v, by_name) for v in read]
+            outputs = [_fx(v.name, by_name) for v in phase.outputs]
+            output_meta = [_read(region, v, by_name) for v in phase.outputs]
+            recomputed = {_fx(n.backend_nodes[0], by_name) for n in phase.recomputed}
+            # The sizes the body reads from outside (a dynamic graph's SymInts in a view's shape):
+            # arguments of every call.
+            sizes = list(dict.fromkeys(a for n in body for a in n.all_input_nodes if a not in meta_by_fx
+                                       and a not in inputs and isinstance(a.meta.get("val"), torch.SymInt)))
+            if region.extent is not None:
+                # ... and each symbol of the inputs' sizes, by itself: Inductor compiles a body for
+                # symbolic shapes only where it can read every symbol in them from its inputs (a
+                # slice of (2 * s0) // 4 rows does not give s0).
+                symbols = [shapes.symbol(s) for s in free_symbols([x.meta["val"] for x in inputs + sizes])]
+                sizes = list(dict.fromkeys(sizes + [x for x in symbols if x not in inputs]))
+            # The subgraphs first, one per class of slice (its size; the first or last where the
+            # region's values start in or end short, Rows): a region that cannot be built raises
+            # before the graph is touched.
+            built = {}
+            for piece in _slices(region):
+                key = region.slice_class(piece.start, piece.end)
+                if key not in built:
+                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece)
+            phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
+    except Exception:
+        shapes.discard()      # the size nodes made for a region that is not built
+        raise
     combined: dict[fx.Node, fx.Node] = {}      # an earlier phase's outputs, as its slices combined
     for k, (body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built) in enumerate(phases):
         subgraphs = {key: _attribute(gm, sub, f"{name}_{k}_{j}") for j, (key, sub) in enumerate(built.items())}

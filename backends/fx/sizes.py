@@ -26,6 +26,7 @@ class SizeNodes:
         self.graph = graph
         self._sources: dict[sympy.Symbol, tuple[fx.Node, int | None]] | None = None
         self._nodes: dict[sympy.Symbol, fx.Node] = {}
+        self._made: list[fx.Node] = []
 
     def shape(self, shape) -> list:
         """`shape` (ints and SymInts) as a node's shape argument: ints, and nodes for the SymInts."""
@@ -61,7 +62,16 @@ class SizeNodes:
                 with self.graph.inserting_before(first):
                     self._nodes[symbol] = self.graph.call_function(aten.sym_size.int, (node, dim))
                 self._nodes[symbol].meta["val"] = node.meta["val"].shape[dim]
+                self._made.append(self._nodes[symbol])
         return self._nodes[symbol]
+
+    def discard(self) -> None:
+        """Erase the size nodes this made that nothing reads (a rewrite that gave up)."""
+        for node in reversed(self._made):
+            if not node.users:
+                self.graph.erase_node(node)
+        self._made.clear()
+        self._nodes.clear()
 
     def _find_sources(self) -> dict[sympy.Symbol, tuple[fx.Node, int | None]]:
         """Where each symbol is read: a SymInt input that is it, else the first input with a dim of
