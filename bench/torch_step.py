@@ -189,7 +189,7 @@ def child(name: str, args) -> dict:
     torch.save({"loss": loss.cpu(), "grads": [g.cpu() for g in grads]}, args.out / f"{name}.pt")
     seconds = sorted(times)[len(times) // 2]
     # The first step compiles (in the timed process, whose Inductor cache starts empty): its time
-    # less a step's is the compile time.
+    # less a step's is the compile time (with --vary-length both warm-up steps compile).
     compiling = warmup if args.vary_length else warmup[:1]
     return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
             "compile_seconds": max(0.0, sum(compiling) - len(compiling) * seconds),

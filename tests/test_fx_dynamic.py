@@ -99,7 +99,6 @@ def test_a_second_length_makes_dynamo_go_dynamic_and_the_loss_chunk_stays(fresh_
     assert not [w for w in caught if "sizes are dynamic" in str(w.message) or "failed" in str(w.message)]
 
 
-
 def test_dynamo_restarting_its_analysis_is_not_a_failure_of_remat(fresh_compiles):
     """With every size dynamic from the start and no dropout, the loss's mean divides by a float
     of the symbolic token count, and AOTAutograd asks Dynamo to trace the frame again with it

@@ -40,6 +40,16 @@ def test_gpt2_through_backend_remat_matches_eager(fresh_compiles):
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
 
 
+def backward_and_collect(model, out) -> dict:
+    """A transformers ModelOutput's loss backpropagated, as the user's step does: its loss, its
+    logits and the parameters' gradients, the gradients then cleared."""
+    out.loss.backward()
+    got = {"loss": out.loss.detach().numpy(), "logits": out.logits.detach().numpy(),
+           **{n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+    model.zero_grad(set_to_none=True)
+    return got
+
+
 def test_gpt2_compiled_as_users_call_it_returns_its_logits_and_still_chunks_the_loss(fresh_compiles):
     """The model itself compiled, called by keyword, its ModelOutput's loss backpropagated: the
     logits (tokens x vocab, 16 MiB) are a graph output beside the loss. The loss chunk still runs
@@ -50,12 +60,7 @@ def test_gpt2_compiled_as_users_call_it_returns_its_logits_and_still_chunks_the_
     model = wrapped.model
 
     def step(fn):
-        out = fn(input_ids=ids, labels=labels)
-        out.loss.backward()
-        got = {"loss": out.loss.detach().numpy(), "logits": out.logits.detach().numpy(),
-               **{n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
-        model.zero_grad(set_to_none=True)
-        return got
+        return backward_and_collect(model, fn(input_ids=ids, labels=labels))
 
     want = step(model)
     remat = fx_backend.backend(strict=True)
@@ -86,12 +91,7 @@ def test_gpt2_on_batches_padded_to_their_longest_keeps_the_loss_chunk_once_the_l
         mask = torch.ones_like(i)
         mask[1, length - 20:] = 0
         target[1, length - 20:] = -100
-        out = fn(input_ids=i, labels=target, attention_mask=mask)
-        out.loss.backward()
-        got = {"loss": out.loss.detach().numpy(), "logits": out.logits.detach().numpy(),
-               **{n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
-        model.zero_grad(set_to_none=True)
-        return got
+        return backward_and_collect(model, fn(input_ids=i, labels=target, attention_mask=mask))
 
     remat = fx_backend.backend(strict=True)
     compiled = torch.compile(model, backend=remat)

@@ -264,10 +264,16 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
         sums = {k: _full(graph, o, 0.0, shapes) for k, (o, r) in enumerate(zip(outputs, output_meta))
                 if r.meta.need_sum}
-        def emit(f, a, b):
-            return graph.call_function(f, (a, b))
+        # A dynamic region: its chunked rows, read once (every sliced operand has them, unit rows
+        # unshifted), and each slice's bounds on them emitted once for all its operands.
+        rows = None
+        emitted: dict[tuple, fx.Node] = {}
 
-        rows: dict[tuple[fx.Node, int], fx.Node] = {}      # a dynamic region: each operand's rows
+        def emit(f, a, b):
+            if (f, a, b) not in emitted:
+                emitted[f, a, b] = graph.call_function(f, (a, b))
+            return emitted[f, a, b]
+
         for piece in _slices(region):
             args = []
             for x, r in zip(operands, input_meta):
@@ -275,10 +281,9 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                 if m.dim is None:
                     args.append(x)
                     continue
-                size = rows.get((x, m.dim))
-                if piece.dynamic and size is None:
-                    size = rows[x, m.dim] = graph.call_function(aten.sym_size.int, (x, m.dim))
-                args.append(graph.call_function(aten.slice.Tensor, (x, m.dim, *piece.bounds(m, size, emit))))
+                if piece.dynamic and rows is None:
+                    rows = graph.call_function(aten.sym_size.int, (x, m.dim))
+                args.append(graph.call_function(aten.slice.Tensor, (x, m.dim, *piece.bounds(m, rows, emit))))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
