@@ -381,9 +381,12 @@ def _present_outputs(node: Node) -> list[Value]:
 
 
 def _same_size(a: Value, b: Value, model: MemoryModel, size: Callable[[Value], int]) -> bool:
-    """Whether the planner can tell `a` and `b` take the same bytes (both shapes known)."""
+    """Whether the planner can tell `a` and `b` take the same bytes (both shapes known): at
+    symbolic sizes, the same formula, not two that only agree at the example sizes."""
     known = model.known_shape or _static
-    return known(a) and known(b) and size(a) == size(b)
+    if not (known(a) and known(b) and size(a) == size(b)):
+        return False
+    return a.nbytes is None or b.nbytes is None or simplify(a.nbytes - b.nbytes) == 0
 
 
 def _static(v: Value) -> bool:

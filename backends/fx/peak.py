@@ -47,7 +47,7 @@ from torch import fx
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
-from engine.shapes import evaluate
+from engine.shapes import Dim, evaluate
 
 from .aten_ops import slice_arguments
 from .importer import _DTYPES, PLAN, _dim, _dim_examples
@@ -298,6 +298,7 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
     buffers it reads at its output's index, which it may write over where it reads them last.
     Returns the program and, by kernel name, the fx node each runs."""
     module, fused = step.module, step.fused
+    examples = _dim_examples(module.graph)
     folds = _addmm_folds(module.graph)
     folded = {mm: add for add, mm in folds.items()}
     reads: dict[fx.Node, list[Value]] = {}          # the buffers an fx value stands for
@@ -371,8 +372,8 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
                 continue
             kind = "extern" if n in folds else _kind(n)
             inputs_read = _union(reads[a] for a in n.all_input_nodes)
-            size = (max((_numel(v) or 0 for v in inputs_read), default=0) if kind == "reduction"
-                    else _numel(reads[n][0]) if reads[n] else None)
+            size = (max((_numel(v) for v in inputs_read), key=lambda d: _count(d, examples), default=0)
+                    if kind == "reduction" else _numel(reads[n][0]) if reads[n] else None)
             kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
             if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
                 elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
@@ -381,7 +382,7 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
             kernels.append(kernel)
     nodes = []
     allocated: set[int] = set()
-    for kernel in _schedule(kernels):
+    for kernel in _schedule(kernels, examples):
         node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
                     plan=kernel.fx.meta.get(PLAN))
         if kernel.cat is not None:     # the first slice to run allocates the cat's output
@@ -418,13 +419,14 @@ def _kind(node: fx.Node) -> str:
     return "scatter" if node.target in _SCATTERS else "extern"
 
 
-def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
+def _schedule(kernels: list[_Kernel], examples: dict[str, int]) -> list[_Kernel]:
     """The order Inductor's scheduler runs `kernels` in (given in the graph's order). It fuses
     kernels over the same loop that share a buffer (Scheduler.fuse_nodes): a kernel with one that
     reads what it writes, or two that read the same buffer at most `_FUSION_DISTANCE` apart; the
     pairs sharing the most elements first; never two that a kernel outside them runs between.
     It sorts the fused kernels by their first member and runs each after the kernels it reads,
-    visiting those by buffer name (Scheduler.topological_sort_schedule)."""
+    visiting those by buffer name (Scheduler.topological_sort_schedule). Sizes are compared as
+    formulas, as Inductor compares them; they are weighed at `examples`, the traced sizes."""
     count = len(kernels)
     made_by: dict[int, int] = {}
     for i, k in enumerate(kernels):
@@ -466,7 +468,7 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
         for key in k.access:
             users.setdefault(key, []).append(i)
         for v in list(k.inputs) + list(k.outputs):
-            sizes[id(v)] = _numel(v) or 0
+            sizes[id(v)] = _count(v.numel, examples)
     shared: dict[tuple[int, int], int] = {}
     for key, who in users.items():
         for x in range(len(who)):
@@ -494,12 +496,12 @@ def _schedule(kernels: list[_Kernel]) -> list[_Kernel]:
             made = {id(o) for m in members[g] for o in kernels[m].outputs}
             return {(values[v].dtype, _numel(values[v])) for m in members[g] for v in map(id, kernels[m].inputs)
                     if not readers.get(v, 0) & ~mask[g] and v not in made and values[v].nbytes}
-        overhead = sum(numel or 0 for _, numel in freed(ga) & freed(gb))
+        overhead = sum(_count(numel, examples) for _, numel in freed(ga) & freed(gb))
         if not overhead:
             return False
         common = set().union(*(kernels[m].access for m in members[ga])) & set().union(
             *(kernels[m].access for m in members[gb]))
-        saving = sum(evaluate(values[v].nbytes, {}) or 0 for v, _ in common if v in values)
+        saving = sum(_count(values[v].nbytes, examples) for v, _ in common if v in values)
         return overhead > 32 * saving
 
     for _ in range(10):
@@ -560,8 +562,16 @@ def _buffer(name: str, example) -> Value:
     return Value(name)
 
 
-def _numel(v: Value) -> int | None:
-    return evaluate(v.numel, {}) if v.numel is not None else None
+def _numel(v: Value) -> Dim | None:
+    """A buffer's elements, at dynamic sizes a formula over the graph's symbols: Inductor decides
+    fusion, reuse and in-place writes on sizes it knows equal for every size (sizevars), so two
+    buffers of `s0*512` elements match and one of `512*s1` does not, whatever the traced sizes."""
+    return v.numel
+
+
+def _count(size: Dim | None, examples: dict[str, int]) -> int:
+    """`size` at the traced sizes, for weighing (0 unknown)."""
+    return (evaluate(size, examples) or 0) if size is not None else 0
 
 
 def _union(groups) -> list[Value]:
@@ -630,7 +640,9 @@ def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:
     goes to the next buffer of the same dtype and storage size in the same graph, most recently
     freed first, where holding it until then keeps the graph's estimated peak
     (`AllocateLine.should_reuse_buffer`); a generated kernel writes over an input it reads last
-    (`Scheduler.decide_inplace_update`); a chunk call holds its body's peak for one slice."""
+    (`Scheduler.decide_inplace_update`); a chunk call holds its body's peak for one slice.
+    Inductor knows a dynamic graph's sizes as formulas (sizevars), so a symbolic shape is a known
+    one: it writes `4*s0` rows over `4*s0` rows as it does 2048 over 2048."""
     bodies: dict[str, int] = {}     # by subgraph: every slice calls the same body, and both walks ask
 
     def body_peak(node: Node) -> int:
@@ -651,6 +663,7 @@ def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:
     return MemoryModel(
         reuse_key=storage,
         reuse_keeps_peak=True,
+        known_shape=lambda v: v.shape is not None,
         scope=lambda node: node.meta["backward"],
         overwrites=lambda node: node.meta["overwrites"],
         transient=lambda node, size: max(0, body_peak(node) - sum(size(o) for o in node.outputs if o is not None)),
