@@ -156,3 +156,52 @@ def test_attention_chunks_at_dynamic_lengths(fresh_compiles):
         assert max(relative_error(a, b) for a, b in zip(grads, want_grads)) < 1e-4, length
     keys = [r.key for result in remat.remat_pass.chunk_results for r in result.chunks]
     assert "MatMul+Softmax+" in keys and not remat.remat_pass.failures
+
+
+def _mark_lengths(inputs, largest):
+    for t in inputs:
+        if largest is None:
+            torch._dynamo.mark_dynamic(t, 1)
+        else:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=largest)
+    return inputs
+
+
+@pytest.mark.parametrize("largest", [None, 128])
+def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh_compiles, largest):
+    """Traced at 32 tokens a sequence the logits are 8 MiB, under the loss rule's 16 MiB; a batch of
+    128 tokens has 32 MiB of them. Declared with `mark_dynamic(..., max=128)`, the graph is planned
+    at 128 (the rules' guards, the slice count, the budget), so the loss chunk is built; with no
+    bound it is planned at the traced size."""
+    model = gpt(replace(CFG, dropout=0.0))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat)
+    for length in (32, 100):
+        inputs = _mark_lengths(inputs_of(length), largest)
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4, length
+        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
+    [result] = remat.remat_pass.results
+    assert list(result.graph.dim_examples.values()) == [largest or 32]
+    if largest is None:
+        assert remat.remat_pass.chunked == 0
+    else:
+        [chunking] = remat.remat_pass.chunk_results
+        [region] = chunking.chunks
+        assert remat.remat_pass.chunked == 1 and region.extent.free_symbols
+
+
+@pytest.mark.parametrize("largest", [None, 128])
+def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_the_traced_ones(
+        fresh_compiles, recwarn, largest):
+    model = gpt(replace(CFG, dropout=0.0))
+    remat = fx_backend.backend(budget="1GiB")
+    training_step(model, torch.compile(model, backend=remat), _mark_lengths(inputs_of(32), largest))
+    unbounded = [w for w in recwarn if "planned at the sizes this dynamic graph was traced at" in str(w.message)]
+    assert not remat.remat_pass.failures and len(remat.remat_pass.results) == 1
+    if largest is None:
+        [warning] = unbounded
+        assert "(s" in str(warning.message) and "=32)" in str(warning.message) and "max=N" in str(warning.message)
+    else:
+        assert not unbounded

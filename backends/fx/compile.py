@@ -37,12 +37,13 @@ from engine.patterns import RuleSet
 from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
 from engine.errors import ConfigError
 from engine.plans import parse_config
+from engine.shapes import format_bytes
 from engine.strategies.chunk import ChunkRegion
 
 from backends.device import profile_for
 
 from .chunk import _propagate_fake, apply_chunk
-from .importer import PLAN, _flat_nodes, import_fx
+from .importer import PLAN, _flat_nodes, dim_bounds, import_fx
 from .modules import working_module
 from .replay import build_replay
 
@@ -193,6 +194,14 @@ DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (d
                   "torch._dynamo.config.recompile_limit lengths")
 
 
+# A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
+# the largest size its shape environment allows (backends.fx.importer._dim_examples), which only
+# the user can give where Dynamo made the size dynamic by itself.
+UNBOUNDED_BUDGET = ("remat: the budget of {budget} is planned at the sizes this dynamic graph was traced at "
+                    "({sizes}); a longer batch needs more memory than planned. Give the largest size, and "
+                    "remat plans for it: torch._dynamo.mark_dynamic(tensor, dim, min=2, max=N) on the inputs")
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
                  report: Callable[[str], None] | None = None, strict: bool | None = None,
@@ -236,6 +245,11 @@ class RematPass(CustomGraphPass):
         if output is None or not _flat_nodes(output.args):
             return      # nothing to rewrite (dynamo hands a graph break's empty fragment over too)
         builder = FxBuilder(graph, self.rules.views, self.strict)
+        if self.budget is not None and self.budget.bytes is not None:
+            unbounded = {name: traced for name, (traced, largest) in dim_bounds(graph).items() if largest is None}
+            if unbounded:
+                self._notice(UNBOUNDED_BUDGET.format(budget=format_bytes(self.budget.bytes), sizes=", ".join(
+                    f"{name}={size}" for name, size in sorted(unbounded.items()))))
         try:
             device = None if self.budget is None else profile_for(self.device or _device_of(graph))
             try:

@@ -195,11 +195,22 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
 
 
 def _dim_examples(graph: fx.Graph) -> dict[str, int]:
-    """The size each symbol of a dynamic graph (`torch.compile(dynamic=True)`, `mark_dynamic`) had
-    when it was traced, from the shape environment of the placeholders' fake tensors: the rules'
-    guards (`bytes(y) >= 256 KiB`) are decided at these sizes, and the plan table shows its
+    """The size each symbol of a dynamic graph (`torch.compile(dynamic=True)`, `mark_dynamic`,
+    Dynamo's automatic dynamic shapes) is planned at: the largest the shape environment allows
+    where it bounds the symbol (`mark_dynamic(t, dim, min=2, max=2048)`, or a bound Dynamo
+    proved), since a plan must fit the longest batch the graph will run; else the size it was
+    traced at (`dim_bounds` tells them apart). The rules' guards (`bytes(y) >= 256 KiB`), the
+    slice counts and the budget are decided at these sizes, and the plan table shows its
     savings as formulas over the symbols, evaluated there."""
-    examples: dict[str, int] = {}
+    return {name: largest if largest is not None else traced for name, (traced, largest) in dim_bounds(graph).items()}
+
+
+def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:
+    """Each symbol of the placeholders' sizes: the size it was traced at, and the largest its
+    shape environment allows (None: unbounded)."""
+    import sympy
+
+    bounds: dict[str, tuple[int, int | None]] = {}
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor):
@@ -210,9 +221,12 @@ def _dim_examples(graph: fx.Graph) -> dict[str, int]:
                 hints = getattr(env, "backed_var_to_val", None) or env.var_to_val     # torch 2.13 / 2.11
                 for symbol in d.node.expr.free_symbols:
                     hint = hints.get(symbol)
-                    if hint is not None:
-                        examples[str(symbol)] = int(hint)
-    return examples
+                    if hint is None:
+                        continue
+                    upper = getattr(env.var_to_range.get(symbol), "upper", None)
+                    largest = int(upper) if isinstance(upper, sympy.Integer) and int(upper) >= int(hint) else None
+                    bounds[str(symbol)] = (int(hint), largest)
+    return bounds
 
 
 def _flat_nodes(args: Any) -> list[fx.Node]:
