@@ -205,3 +205,30 @@ def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_t
         assert "(s" in str(warning.message) and "=32)" in str(warning.message) and "max=N" in str(warning.message)
     else:
         assert not unbounded
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_compiles, recwarn, dynamic):
+    """`logits[:, :-1]` against `targets[:, 1:]` (transformers before 4.46, many training scripts):
+    the tokens' rows are grouped into (batch, seq) and back into batch x (seq - 1), so the slices
+    must be whole sequences, whose rows are a formula (the reshape's unit, 1/s0). The region is
+    counted in sequences: a fixed count of slices of whole sequences, each value's rows per
+    sequence a formula (s0, s0 - 1). Automatic dynamic shapes keep the batch static (4
+    sequences); dynamic=True makes it a symbol too. Before, both were refused (the reshape "does
+    not carry dim 0"), and the loss ran whole from the second length on."""
+    model = gpt(replace(CFG, dropout=0.0, label_shift=True))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=dynamic)
+    for length in (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15):
+        loss, grads, _ = training_step(model, compiled, inputs_of(length))
+        want_loss, want_grads, _ = training_step(model, model, inputs_of(length))
+        assert relative_error(loss, want_loss) < 1e-4, length
+        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
+    regions = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
+    dynamic_regions = [r for r in regions if r.extent is not None]
+    assert len(dynamic_regions) == 1 and remat.remat_pass.chunked == len(regions)
+    [region] = dynamic_regions
+    units = {m.unit for m in region.meta.values() if m.dim is not None}
+    assert any(isinstance(u, sympy.Expr) and u.free_symbols for u in units)   # rows per sequence
+    assert (region.extent == CFG.batch) if dynamic is None else region.extent.free_symbols
+    assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]

@@ -24,7 +24,7 @@ from engine.errors import GraphError
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
-from .sizes import SizeNodes, free_symbols
+from .sizes import SizeNodes, free_symbols, lower_formula
 
 aten = torch.ops.aten
 
@@ -81,13 +81,13 @@ def _with_size(node: fx.Node, dim: int, size: int, env: dict[fx.Node, fx.Node], 
     position = _SHAPE_ARG.get(node.target)
     if position is None:
         raise GraphError(f"{node.name} ({node.target}) makes a sliced value from a shape remat cannot rewrite")
-    args = list(node.args)
+    copy = graph.node_copy(node, lambda x: env[x])
+    args = list(copy.args)
     shape = list(args[position])
     if shape[dim] != -1:
         shape[dim] = size
     args[position] = shape
-    copy = graph.node_copy(node, lambda x: env[x])
-    copy.args = tuple(fx.node.map_arg(args, lambda x: env[x]))
+    copy.args = tuple(args)
     return copy
 
 
@@ -105,22 +105,35 @@ class _Slice:
     count: int
     dynamic: bool
 
-    def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b)) -> tuple:
+    def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b), groups=None) -> tuple:
         """The rows of a value with `meta` in this slice. `size`: that value's rows along its
         chunk dim, where dynamic (a SymInt, or the fx node of one, `apply` then emitting the
-        arithmetic as nodes). The grower plans dynamic regions with unit rows only."""
+        arithmetic as nodes). A region sliced in whole groups (a unit other than one: the
+        value has `size // groups` rows per group) needs `groups`, the region's extent, of the
+        same kind as `size`. The grower plans dynamic regions unshifted."""
         if not self.dynamic:
             return meta.span(self.start, self.end, self.total)
-        if meta.unit != 1 or meta.rows.shifted:
+        if meta.rows.shifted or (meta.unit != 1 and groups is None):
             raise GraphError(f"remat bug: a region over a dynamic size has rows {meta.rows}")
-        step = apply(operator.floordiv, size, self.count)
-        start = 0 if self.index == 0 else apply(operator.mul, step, self.index)
-        end = size if self.index == self.count - 1 else apply(operator.mul, step, self.index + 1)
+
+        def op(f, a, b):
+            return f(a, b) if isinstance(a, int) and isinstance(b, int) else apply(f, a, b)
+
+        step = op(operator.floordiv, size if meta.unit == 1 else groups, self.count)
+        per = 1 if meta.unit == 1 else op(operator.floordiv, size, groups)     # its rows per group
+
+        def rows(k: int):
+            first = op(operator.mul, step, k)
+            return first if per == 1 else op(operator.mul, per, first)
+
+        start = 0 if self.index == 0 else rows(self.index)
+        end = size if self.index == self.count - 1 else rows(self.index + 1)
         return start, end
 
 
-def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice) -> torch.Tensor:
-    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim]))
+def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None) -> torch.Tensor:
+    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim],
+                                                                                   groups=groups))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -161,7 +174,9 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             for piece in _slices(region):
                 key = region.slice_class(piece.start, piece.end)
                 if key not in built:
-                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece)
+                    in_groups = piece.dynamic and any(r.meta.unit != 1 for r in input_meta if r.meta.dim is not None)
+                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece,
+                                        shapes.value(region.extent) if in_groups else None)
             phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
     except Exception:
         shapes.discard()      # the size nodes made for a region that is not built
@@ -266,7 +281,11 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                 if r.meta.need_sum}
         # A dynamic region: its chunked rows, read once (every sliced operand has them, unit rows
         # unshifted), and each slice's bounds on them emitted once for all its operands.
-        rows = None
+        # A dynamic region: its chunked rows, read once per unit (the operands of a unit have the
+        # same rows), the region's extent in groups where it is sliced in whole groups, and each
+        # slice's bounds emitted once for all its operands.
+        rows: dict = {}
+        groups = None
         emitted: dict[tuple, fx.Node] = {}
 
         def emit(f, a, b):
@@ -281,9 +300,12 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                 if m.dim is None:
                     args.append(x)
                     continue
-                if piece.dynamic and rows is None:
-                    rows = graph.call_function(aten.sym_size.int, (x, m.dim))
-                args.append(graph.call_function(aten.slice.Tensor, (x, m.dim, *piece.bounds(m, rows, emit))))
+                if piece.dynamic and m.unit not in rows:
+                    rows[m.unit] = graph.call_function(aten.sym_size.int, (x, m.dim))
+                if piece.dynamic and m.unit != 1 and groups is None:
+                    groups = shapes.formula(region.extent)
+                args.append(graph.call_function(aten.slice.Tensor,
+                                                (x, m.dim, *piece.bounds(m, rows.get(m.unit), emit, groups))))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
@@ -363,8 +385,10 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
         output.prepend(n)
 
 
-def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: _Slice) -> fx.GraphModule:
-    """The body of one slice (and of every slice of its class, ChunkRegion.slice_class)."""
+def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: _Slice,
+           groups=None) -> fx.GraphModule:
+    """The body of one slice (and of every slice of its class, ChunkRegion.slice_class). `groups`:
+    the region's extent (a SymInt or an int) where it is sliced in whole groups."""
     start, end, total = piece.start, piece.end, piece.total
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -372,7 +396,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     for x, r in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
-        p.meta["val"] = _fake_slice(val, r.meta, piece)
+        p.meta["val"] = _fake_slice(val, r.meta, piece, groups)
         env[x] = p
     for x in sizes:
         env[x] = sub.placeholder(x.name)
@@ -385,6 +409,9 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         length = sub.call_function(aten.sym_size.int, first)
         length.meta["val"] = first[0].meta["val"].shape[first[1]]
         env[length] = length
+    lengths = _Lengths(sub, length, next(r.meta for r in input_meta if r.meta.dim is not None),
+                       {str(env[x].meta["val"].node.expr): env[x] for x in sizes
+                        if isinstance(env[x].meta["val"], torch.SymInt)}) if piece.dynamic else None
     sliced = {x for x, r in zip(inputs, input_meta) if r.meta.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
@@ -395,7 +422,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
             # Its output shape is written in its arguments (a view's target, the zeros a loss
             # gradient scatters into): the slice's size goes there.
-            env[fx_node] = _with_size(fx_node, m.dim, length if piece.dynamic else m.length(start, end, total),
+            env[fx_node] = _with_size(fx_node, m.dim, lengths.of(m) if piece.dynamic else m.length(start, end, total),
                                       env, sub)
         elif fx_node.target in _SLICE_BOUNDS and _along_chunk_dim(fx_node, meta_of):
             env[fx_node] = _with_bounds(fx_node, meta_of, start, end, total, env, sub)
@@ -418,6 +445,34 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     module.meta["produced_by_chunker"] = True
     _propagate_fake(module)
     return module
+
+
+class _Lengths:
+    """In a dynamic slice's body, the slice's rows of a value of each unit: `length`, the rows
+    of the first sliced input (unit `first`), in groups where the units differ (a region sliced
+    in whole groups: `length // first` groups, `unit` rows each), the units' formulas written
+    with the body's own symbols (`symbols`, by name)."""
+
+    def __init__(self, graph: fx.Graph, length: fx.Node, first: ChunkMeta, symbols: dict[str, fx.Node]):
+        self.graph, self.symbols = graph, symbols
+        self.known = {first.unit: length}
+
+    def of(self, meta: ChunkMeta) -> fx.Node:
+        if meta.unit not in self.known:
+            first_unit, length = next(iter(self.known.items()))
+            if 1 not in self.known:
+                self.known[1] = self.graph.call_function(operator.floordiv, (length, self._lowered(first_unit)))
+            if meta.unit not in self.known:
+                self.known[meta.unit] = self.graph.call_function(operator.mul,
+                                                                 (self.known[1], self._lowered(meta.unit)))
+        return self.known[meta.unit]
+
+    def _lowered(self, unit):
+        try:
+            return lower_formula(unit, self.symbols)
+        except KeyError as missing:
+            raise GraphError(f"a chunk body's rows per group {unit} need the size {missing}, which it is not given") \
+                from None
 
 
 def _same_layout(a, b) -> bool:

@@ -38,13 +38,23 @@ class SizeNodes:
         known = d.node.maybe_as_int()
         if known is not None:
             return known
-        from torch.utils._sympy.interp import sympy_interp
-        from torch.utils._sympy.reference import PythonReferenceAnalysis
+        return _lowered(d.node.expr, lambda s: fx.Proxy(self.symbol(s, d)))
 
-        expr = d.node.expr
-        env = {s: fx.Proxy(self.symbol(s, d)) for s in expr.free_symbols}
-        result = sympy_interp(PythonReferenceAnalysis, env, expr)
-        return result.node if isinstance(result, fx.Proxy) else int(result)
+    def formula(self, expr) -> "fx.Node | int":
+        """An engine formula over the graph's symbols (by name: `s0*s1`) as a node of its value."""
+        return _lowered(expr, lambda s: fx.Proxy(self.symbol(self._named(s.name), expr)))
+
+    def value(self, expr) -> "torch.SymInt | int":
+        """An engine formula over the graph's symbols as the SymInt it stands for (fake tensors' sizes)."""
+        return _lowered(expr, lambda s: self.symbol(self._named(s.name), expr).meta["val"])
+
+    def _named(self, name: str) -> sympy.Symbol:
+        if self._sources is None:
+            self._sources = self._find_sources()
+        found = next((s for s in self._sources if s.name == name), None)
+        if found is None:
+            raise GraphError(f"the size {name} is the size of no input of the graph")
+        return found
 
     def symbol(self, symbol: sympy.Symbol, size=None) -> fx.Node:
         """The node of a symbol's value (its `meta["val"]` the SymInt), read after the inputs."""
@@ -91,6 +101,24 @@ class SizeNodes:
                     if _plain_symbol(d):
                         sources.setdefault(d.node.expr, (node, k))
         return sources
+
+
+def lower_formula(expr, symbols: dict[str, fx.Node]) -> "fx.Node | int":
+    """A formula written into the graph of `symbols` (each symbol's node, by name): a KeyError
+    names a symbol it lacks."""
+    return _lowered(expr, lambda s: fx.Proxy(symbols[s.name]))
+
+
+def _lowered(expr, leaf):
+    """`expr` (an int, or a formula) computed from `leaf(symbol)` for each of its symbols, with
+    torch's sympy interpreter: an fx node where the leaves are proxies, a SymInt where SymInts."""
+    if not isinstance(expr, sympy.Expr) or expr.is_Integer:
+        return int(expr)
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    result = sympy_interp(PythonReferenceAnalysis, {s: leaf(s) for s in expr.free_symbols}, expr)
+    return result.node if isinstance(result, fx.Proxy) else result
 
 
 def _plain_symbol(d) -> bool:

@@ -44,19 +44,23 @@ cannot carry, or a gradient an op is not linear in, is refused with a reason nam
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
+import sympy
+
 from ...guards import Unproven, evaluate_expr
 from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
-from ...shapes import evaluate, is_static
+from ...shapes import evaluate, is_static, simplify
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
                     same_size)
-from .region import ChunkMeta, ChunkPhase, ChunkRegion, Rows, even_slices, phase_outputs, row_edges, slice_sizes
+from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, even_slices, phase_outputs, row_edges, slice_sizes,
+                     unit_denominator)
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -73,6 +77,17 @@ class _TwoPhases(Exception):
     def __init__(self, why: Refused | None = None):
         super().__init__(str(why or ""))
         self.why = why
+
+
+def _expr(unit: Any) -> Any:
+    """A unit (a Fraction, or a formula) as a formula."""
+    return sympy.Rational(unit.numerator, unit.denominator) if isinstance(unit, Fraction) else unit
+
+
+def _unit(expr: Any) -> Fraction | sympy.Expr:
+    """A formula as a unit: a Fraction where it is a number."""
+    expr = sympy.cancel(sympy.sympify(expr))
+    return Fraction(int(expr.p), int(expr.q)) if expr.is_Rational else expr
 
 
 def _zero(v: Value) -> bool:
@@ -393,20 +408,28 @@ class _Grower:
                 return d, self.shift(node, out_rows, -lead, -tail)
         return None, out_rows
 
-    def regroup(self, node: Node, rows: Rows, factor: Fraction) -> Rows:
-        """The rows after a reshape that groups the chunked dim with others (DimMap.regrouped)."""
-        if not is_static(self.size):
+    def regroup(self, node: Node, rows: Rows, factor: Any) -> Rows:
+        """The rows after a reshape that groups the chunked dim with others (DimMap.regrouped).
+        At symbolic sizes the unit is a formula (a row of (batch, s0, vocab) is s0 rows of
+        (tokens, vocab)), which a backend running a fixed count of slices builds in whole groups
+        (`finish` counts the slices in groups)."""
+        symbolic = not is_static(self.size) or not isinstance(factor, Fraction)
+        if symbolic and self.graph.slicing is not SliceSizes.FIXED_COUNT:
             raise RefusedDynamic(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
                                  f"{self.size}, with others: slices of whole groups are built at static "
-                                 f"sizes only")
+                                 f"sizes only on this backend")
         if rows.shifted:
             raise Refused(f"{node.op} {node.name} groups the chunked dim with others after a slice "
                           f"along it: the slices cannot be whole groups")
-        return replace(rows, unit=rows.unit * factor)
+        if not symbolic and isinstance(rows.unit, Fraction):
+            return replace(rows, unit=rows.unit * factor)
+        return replace(rows, unit=_unit(_expr(rows.unit) * _expr(factor)))
 
     def shift(self, node: Node, rows: Rows, lead: int, tail: int) -> Rows:
         """The rows after an op that drops `lead` and `tail` rows of the chunk dim (a slice;
         negative: a pad adds them) (DimMap.shifted)."""
+        if not lead and not tail:
+            return rows         # every row (`x[:, :-1]` slices dim 0 whole at dynamic sizes)
         if not is_static(self.size):
             raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
                                  f"{self.size}: slices that start or end inside it are built at static sizes only")
@@ -579,15 +602,29 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count, formula = self.count(action)
-        granule = math.lcm(*(m.unit.denominator for m in self.meta.values() if m.dim is not None))
-        if granule > 1 and self._at_examples(self.size) // granule < 2:
-            coarse = next(n for n in nodes if self.meta[id(n.outputs[0])].unit.denominator != 1)
+        denominators = [unit_denominator(m.unit) for m in self.meta.values() if m.dim is not None]
+        granule = math.lcm(*denominators) if all(isinstance(d, int) for d in denominators) else \
+            simplify(functools.reduce(sympy.lcm, map(sympy.sympify, denominators)))
+        groups = self._at_examples(self.size) // self._at_examples(granule)
+        if granule != 1 and groups < 2:
+            coarse = next(n for n in nodes if unit_denominator(self.meta[id(n.outputs[0])].unit) != 1)
             raise Refused(f"{coarse.op} {coarse.name} splits the chunked dim into "
                           f"groups of {granule} rows, and the {self.size} rows of %{first.name} are "
-                          f"{self._at_examples(self.size) // granule} such group(s): nothing to run slice by slice")
+                          f"{groups} such group(s): nothing to run slice by slice")
+        size, in_groups = self.size, granule != 1 and not (is_static(self.size) and is_static(granule))
+        if in_groups:
+            # A group's rows are a formula (a sequence of s0 tokens): the region is sliced in whole
+            # groups, a fixed count of them (regroup refuses other backends). Its rows are counted
+            # in groups from here on: each value's unit is its rows per group.
+            size = simplify(sympy.cancel(self.size / granule))
+            if simplify(sympy.fraction(size)[1]) != 1:
+                raise Refused(f"the chunked dim's {self.size} rows are not whole groups of {granule} rows")
+            self.meta = {k: replace(m, rows=replace(m.rows, unit=_unit(_expr(m.unit) * granule)))
+                         if m.dim is not None else m for k, m in self.meta.items()}
+            count, granule = min(count, groups), 1
         extent, count_formula, slicing = None, None, SliceSizes.STATIC
         fixed = self.graph.slicing is SliceSizes.FIXED_COUNT
-        if not is_static(self.size) or (not is_static(formula) and not fixed):
+        if in_groups or not is_static(size) or (not is_static(formula) and not fixed):
             if self.graph.slicing is SliceSizes.STATIC:
                 raise RefusedDynamic(f"the chunked dim has the symbolic size {self.size} (or the slice count "
                                      f"`{action.count.text}` depends on a dynamic dim); this backend builds "
@@ -596,11 +633,11 @@ class _Grower:
                 raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
                                      f"a slice along the chunk dim needs slices built at static sizes")
             # A fixed count is the count at the example sizes: every size runs that many slices.
-            extent, count_formula, slicing = self.size, count if fixed else formula, self.graph.slicing
+            extent, count_formula, slicing = size, count if fixed else formula, self.graph.slicing
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)
                            if self.rules.chunkable.get(op) == "axis"), "")
-        sizes = (even_slices(self._at_examples(self.size), count) if slicing is SliceSizes.FIXED_COUNT else
-                 slice_sizes(self._at_examples(self.size), count, granule, *row_edges(self.meta.values())))
+        sizes = (even_slices(self._at_examples(size), count) if slicing is SliceSizes.FIXED_COUNT else
+                 slice_sizes(self._at_examples(size), count, granule, *row_edges(self.meta.values())))
         return ChunkRegion(self.match, nodes, self.meta, inputs, sizes,
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
                            self.means, extent, count_formula, dict(self.reshaped), granule, leaving, slicing)

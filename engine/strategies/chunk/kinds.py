@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import sympy
+
 from ...ir import Node, Value
+from ...shapes import simplify
 
 CHUNK_KINDS = {
     "pointwise": "broadcasting elementwise: each output dim is the same dim of every input",
@@ -171,6 +174,9 @@ def slice_range(start: int, end: int, size: int) -> tuple[int, int]:
     return start, max(end, start)
 
 
+_TO_THE_END = 2**62     # an end past any size: INT64_MAX as exporters write `x[a:]`
+
+
 def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[int, tuple[int, int]]:
     """Axis -> (rows dropped at its start, rows dropped at its end) for the axes a slice
     takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`): its
@@ -186,7 +192,13 @@ def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[i
     for k, axis in enumerate(listed):
         axis = norm_dim(axis, rank)
         n = size(axis)
-        if not isinstance(n, int) or k >= len(starts) or (steps is not None and steps[k] != 1):
+        if k >= len(starts) or (steps is not None and steps[k] != 1):
+            continue
+        if not isinstance(n, int):
+            # At a symbolic size only a slice to the end is known: `x[:, :-1]` slices dim 0 whole
+            # (0 to INT64_MAX), which Dynamo keeps at dynamic sizes.
+            if 0 <= starts[k] and ends[k] >= _TO_THE_END:
+                found[axis] = (starts[k], 0)
             continue
         start, end = slice_range(starts[k], ends[k], n)
         found[axis] = (start, n - end)
@@ -204,9 +216,12 @@ def norm_dim(dim: int, rank: int) -> int:
 
 
 def same_size(a: Any, b: Any) -> bool:
+    """Equal sizes: numbers, or formulas equal for every size (`s1*(s0 - 1)` and `s0*s1 - s1`)."""
     try:
+        if isinstance(a, sympy.Expr) or isinstance(b, sympy.Expr):
+            return simplify(sympy.sympify(a) - b) == 0
         return bool(a == b)
-    except TypeError:
+    except (TypeError, sympy.SympifyError):
         return False
 
 
@@ -236,24 +251,27 @@ def reshape_map(src: tuple, out: tuple) -> dict[int, int]:
     return mapping
 
 
-def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Fraction]]:
+def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Any]]:
     """Input dim -> (output dim, output size / input size) for the dims a reshape splits or
     merges as the leading dim of a group: the same number of elements before them, and the
     group's sizes multiply to the same number ((8192,) -> (16, 512): dim 0 -> dim 0, 1/512;
-    (16, 511) -> (8176,): dim 0 -> dim 0, 511). Static sizes only."""
-    if not all(isinstance(d, int) for d in (*src, *out)):
-        return {}
+    (16, 511) -> (8176,): dim 0 -> dim 0, 511). The factor is a Fraction at static sizes and a
+    formula at symbolic ones ((4*s0, V) -> (4, s0, V): 1/s0), whose sizes are compared as
+    formulas."""
+    static = all(isinstance(d, int) for d in (*src, *out))
     prefix_in, prefix_out = _prefix_products(src), _prefix_products(out)
     found = {}
     for i, d in enumerate(src):
-        if d <= 1:
+        if isinstance(d, int) and d <= 1:
             continue
         for o, d_out in enumerate(out):
-            if prefix_out[o] == prefix_in[i] and d_out > 1 and d_out != d:
+            if same_size(prefix_out[o], prefix_in[i]) and not (isinstance(d_out, int) and d_out <= 1) \
+                    and not same_size(d_out, d):
                 # dim i splits into dims o.. (its end is an end of an output dim), or dims i..
                 # merge into dim o (its end is an end of an input dim)
-                if prefix_in[i + 1] in prefix_out[o + 1:] or prefix_out[o + 1] in prefix_in[i + 1:]:
-                    found[i] = (o, Fraction(d_out, d))
+                if any(same_size(prefix_in[i + 1], p) for p in prefix_out[o + 1:]) or \
+                        any(same_size(prefix_out[o + 1], p) for p in prefix_in[i + 1:]):
+                    found[i] = (o, Fraction(d_out, d) if static else sympy.cancel(sympy.sympify(d_out) / d))
                 break
     return found
 
@@ -285,11 +303,11 @@ def dim_map(node: Node, kind: str, inputs: list[Value] | None = None) -> DimMap:
 
 def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
     out = node.outputs[0]
+    if kind in ("fill", "shape"):       # a shape's output may be a size, of no shape (a SymInt)
+        return DimMap([{} for _ in inputs])
     rank = rank_of(out)
     if kind in ("pointwise", "expand", "like", "cast_like"):
         return DimMap([_broadcast(v, out, rank) for v in (inputs if kind == "pointwise" else inputs[:1])])
-    if kind in ("fill", "shape"):
-        return DimMap([{} for _ in inputs])
     if kind == "matmul":
         a, b = inputs[0], inputs[1]
         ra, rb = rank_of(a), rank_of(b)

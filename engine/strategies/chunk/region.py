@@ -58,7 +58,7 @@ class Rows:
     value that falls in it (the first slice `lead` rows fewer, the last `tail` fewer). Either
     the unit or the lead and tail, never both: the grower refuses the mix."""
 
-    unit: Fraction = Fraction(1)
+    unit: Fraction | sympy.Expr = Fraction(1)    # a formula where a reshape groups by a symbolic size
     lead: int = 0
     tail: int = 0
 
@@ -88,10 +88,20 @@ class Rows:
     def scale(self, rows: Any) -> Any:
         if self.unit == 1:
             return rows
+        if not isinstance(self.unit, Fraction):
+            return simplify(sympy.cancel(rows * self.unit))
         scaled = Fraction(int(rows)) * self.unit
         if scaled.denominator != 1:
             raise RuntimeError(f"remat bug: {rows} rows are not whole rows of a value with unit {self.unit}")
         return int(scaled)
+
+
+def unit_denominator(unit: Fraction | sympy.Expr) -> Any:
+    """The rows of the chunked value a row of a value with `unit` spans, at least: an int, or a
+    formula (a row of (batch, s0, vocab) is s0 rows of (tokens, vocab))."""
+    if isinstance(unit, Fraction):
+        return unit.denominator
+    return simplify(sympy.fraction(sympy.cancel(unit))[1])
 
 
 def shifted_bounds(outer: "Rows", inner: "Rows", start: int, end: int, size: int) -> tuple[int, int] | None:
