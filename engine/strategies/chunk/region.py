@@ -88,8 +88,10 @@ class Rows:
     def scale(self, rows: Any) -> Any:
         if self.unit == 1:
             return rows
-        if not isinstance(self.unit, Fraction):
-            return simplify(sympy.cancel(rows * self.unit))
+        if not isinstance(self.unit, Fraction) or isinstance(rows, sympy.Expr):
+            unit = sympy.Rational(self.unit.numerator, self.unit.denominator) \
+                if isinstance(self.unit, Fraction) else self.unit
+            return simplify(sympy.cancel(rows * unit))
         scaled = Fraction(int(rows)) * self.unit
         if scaled.denominator != 1:
             raise RuntimeError(f"remat bug: {rows} rows are not whole rows of a value with unit {self.unit}")
