@@ -147,6 +147,10 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
     phases = []
     shapes = SizeNodes(graph)
     try:
+        # A dynamic region sliced in whole groups: its extent, the number of groups, as a SymInt
+        # (or an int) for the bodies' fake inputs.
+        in_groups = region.extent is not None and any(m.unit != 1 for m in region.meta.values() if m.dim is not None)
+        groups = shapes.value(region.extent) if in_groups else None
         for phase in region.phases:
             body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
             meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
@@ -174,9 +178,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             for piece in _slices(region):
                 key = region.slice_class(piece.start, piece.end)
                 if key not in built:
-                    in_groups = piece.dynamic and any(r.meta.unit != 1 for r in input_meta if r.meta.dim is not None)
-                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece,
-                                        shapes.value(region.extent) if in_groups else None)
+                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece, groups)
             phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
     except Exception:
         shapes.discard()      # the size nodes made for a region that is not built
@@ -279,8 +281,6 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
         sums = {k: _full(graph, o, 0.0, shapes) for k, (o, r) in enumerate(zip(outputs, output_meta))
                 if r.meta.need_sum}
-        # A dynamic region: its chunked rows, read once (every sliced operand has them, unit rows
-        # unshifted), and each slice's bounds on them emitted once for all its operands.
         # A dynamic region: its chunked rows, read once per unit (the operands of a unit have the
         # same rows), the region's extent in groups where it is sliced in whole groups, and each
         # slice's bounds emitted once for all its operands.
@@ -454,14 +454,13 @@ class _Lengths:
     with the body's own symbols (`symbols`, by name)."""
 
     def __init__(self, graph: fx.Graph, length: fx.Node, first: ChunkMeta, symbols: dict[str, fx.Node]):
-        self.graph, self.symbols = graph, symbols
+        self.graph, self.symbols, self.length, self.first = graph, symbols, length, first.unit
         self.known = {first.unit: length}
 
     def of(self, meta: ChunkMeta) -> fx.Node:
         if meta.unit not in self.known:
-            first_unit, length = next(iter(self.known.items()))
             if 1 not in self.known:
-                self.known[1] = self.graph.call_function(operator.floordiv, (length, self._lowered(first_unit)))
+                self.known[1] = self.graph.call_function(operator.floordiv, (self.length, self._lowered(self.first)))
             if meta.unit not in self.known:
                 self.known[meta.unit] = self.graph.call_function(operator.mul,
                                                                  (self.known[1], self._lowered(meta.unit)))

@@ -288,7 +288,7 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
     return step
 
 
-def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
+def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.Node]]:
     """The step as Inductor runs it: one node per kernel, in the order Inductor's scheduler runs
     them (`_schedule`), reading and writing buffers. A view stands for its base's buffer and a
     fused value for the buffers its chain reads (Inductor computes it inside each kernel that
@@ -296,9 +296,9 @@ def program(step: Step) -> tuple[Graph, dict[str, fx.Node]]:
     slice of the output, which the first to run allocates (ConcatKernel). A kernel that writes
     element by element where it reads (`_writes_in_place`) lists in `meta["overwrites"]` the
     buffers it reads at its output's index, which it may write over where it reads them last.
-    Returns the program and, by kernel name, the fx node each runs."""
+    Sizes are weighed at `examples` (a dynamic graph's traced or declared sizes). Returns the
+    program and, by kernel name, the fx node each runs."""
     module, fused = step.module, step.fused
-    examples = _dim_examples(module.graph)
     folds = _addmm_folds(module.graph)
     folded = {mm: add for add, mm in folds.items()}
     reads: dict[fx.Node, list[Value]] = {}          # the buffers an fx value stands for
@@ -630,9 +630,10 @@ def step_peak(step: Step) -> int:
 
 def step_estimate(step: Step) -> PeakEstimate:
     """`simulate_peak` of the step's kernel program (`program`) under Inductor's memory planning."""
-    graph, kernels = program(step)
-    # A dynamic graph's sizes are formulas: in bytes at the sizes it was traced at.
-    return simulate_peak(graph, model=inductor_memory(step, kernels), dim_examples=_dim_examples(step.module.graph))
+    # A dynamic graph's sizes are formulas: in bytes at the sizes it is planned at.
+    examples = _dim_examples(step.module.graph)
+    graph, kernels = program(step, examples)
+    return simulate_peak(graph, model=inductor_memory(step, kernels), dim_examples=examples)
 
 
 def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:

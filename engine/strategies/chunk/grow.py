@@ -59,8 +59,8 @@ from ...patterns import Chunk
 from ...shapes import evaluate, is_static, simplify
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
                     same_size)
-from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, even_slices, phase_outputs, row_edges, slice_sizes,
-                     unit_denominator)
+from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
+                     slice_sizes, unit_denominator, unit_formula)
 
 LARGE_FRACTION = 2      # a value is large when at least half the root's output
 MAX_TANGENT_CHAIN = 16  # nodes between the incoming gradient and the region, redone with it as one
@@ -77,17 +77,6 @@ class _TwoPhases(Exception):
     def __init__(self, why: Refused | None = None):
         super().__init__(str(why or ""))
         self.why = why
-
-
-def _expr(unit: Any) -> Any:
-    """A unit (a Fraction, or a formula) as a formula."""
-    return sympy.Rational(unit.numerator, unit.denominator) if isinstance(unit, Fraction) else unit
-
-
-def _unit(expr: Any) -> Fraction | sympy.Expr:
-    """A formula as a unit: a Fraction where it is a number."""
-    expr = sympy.cancel(sympy.sympify(expr))
-    return Fraction(int(expr.p), int(expr.q)) if expr.is_Rational else expr
 
 
 def _zero(v: Value) -> bool:
@@ -421,9 +410,7 @@ class _Grower:
         if rows.shifted:
             raise Refused(f"{node.op} {node.name} groups the chunked dim with others after a slice "
                           f"along it: the slices cannot be whole groups")
-        if not symbolic and isinstance(rows.unit, Fraction):
-            return replace(rows, unit=rows.unit * factor)
-        return replace(rows, unit=_unit(_expr(rows.unit) * _expr(factor)))
+        return replace(rows, unit=as_unit(unit_formula(rows.unit) * unit_formula(factor)))
 
     def shift(self, node: Node, rows: Rows, lead: int, tail: int) -> Rows:
         """The rows after an op that drops `lead` and `tail` rows of the chunk dim (a slice;
@@ -619,7 +606,7 @@ class _Grower:
             size = simplify(sympy.cancel(self.size / granule))
             if simplify(sympy.fraction(size)[1]) != 1:
                 raise Refused(f"the chunked dim's {self.size} rows are not whole groups of {granule} rows")
-            self.meta = {k: replace(m, rows=replace(m.rows, unit=_unit(_expr(m.unit) * granule)))
+            self.meta = {k: replace(m, rows=replace(m.rows, unit=as_unit(unit_formula(m.unit) * granule)))
                          if m.dim is not None else m for k, m in self.meta.items()}
             count, granule = min(count, groups), 1
         extent, count_formula, slicing = None, None, SliceSizes.STATIC

@@ -179,7 +179,8 @@ _TO_THE_END = 2**62     # an end past any size: INT64_MAX as exporters write `x[
 
 def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[int, tuple[int, int]]:
     """Axis -> (rows dropped at its start, rows dropped at its end) for the axes a slice
-    takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`): its
+    takes a contiguous run of (step 1, constant bounds, a static size `size(axis)`, or any size
+    for a slice to the end): its
     `starts`, `ends`, `axes` and `steps` as attributes or, with `onnx_inputs` (ONNX Slice),
     constant inputs."""
     at = _SLICE_INPUTS if onnx_inputs else {}

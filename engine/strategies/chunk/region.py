@@ -89,13 +89,22 @@ class Rows:
         if self.unit == 1:
             return rows
         if not isinstance(self.unit, Fraction) or isinstance(rows, sympy.Expr):
-            unit = sympy.Rational(self.unit.numerator, self.unit.denominator) \
-                if isinstance(self.unit, Fraction) else self.unit
-            return simplify(sympy.cancel(rows * unit))
+            return simplify(sympy.cancel(rows * unit_formula(self.unit)))
         scaled = Fraction(int(rows)) * self.unit
         if scaled.denominator != 1:
             raise RuntimeError(f"remat bug: {rows} rows are not whole rows of a value with unit {self.unit}")
         return int(scaled)
+
+
+def unit_formula(unit: Fraction | sympy.Expr) -> sympy.Expr:
+    """A unit (a Fraction, or a formula) as a formula."""
+    return sympy.Rational(unit.numerator, unit.denominator) if isinstance(unit, Fraction) else unit
+
+
+def as_unit(expr: Any) -> Fraction | sympy.Expr:
+    """A formula as a unit: a Fraction where it is a number."""
+    expr = sympy.cancel(sympy.sympify(expr))
+    return Fraction(int(expr.p), int(expr.q)) if expr.is_Rational else expr
 
 
 def unit_denominator(unit: Fraction | sympy.Expr) -> Any:
