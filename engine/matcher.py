@@ -50,6 +50,9 @@ class Reason:
     # A chunk region refused only because its sizes are symbolic (the graph serves every size)
     # where the backend builds slices at static sizes: at fixed sizes it would chunk.
     dynamic_sizes: bool = False
+    # Of those, a region that needs two sizes equal (formulas) which are equal at the example
+    # sizes but written with different symbols: a graph that says they are equal chunks.
+    unproven_sizes: tuple[Any, Any] | None = None
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}"

@@ -232,3 +232,51 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     assert any(isinstance(u, sympy.Expr) and u.free_symbols for u in units)   # rows per sequence
     assert (region.extent == CFG.batch) if dynamic is None else region.extent.free_symbols
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
+
+
+class HandWrittenLoss(torch.nn.Module):
+    """A head and a cross-entropy written by hand (`gather`, which asks only that the targets
+    be no longer than the logits), after a causal mask sliced from a buffer as long as the
+    first batch: Dynamo specializes the first length on that slice, and when a second length
+    arrives it makes the dims dynamic one input at a time, naming the tokens' and the targets'
+    lengths apart (s27, s13) though they are always equal."""
+
+    def __init__(self, check: bool, d: int = 32, vocab: int = 32768, longest: int = 256):
+        super().__init__()
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.register_buffer("causal", torch.tril(torch.ones(longest, longest)))
+        self.check = check
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.check:
+            torch._check(targets.size(1) == x.size(1))
+        t = x.shape[1]
+        x = x + self.causal[:t, :t].mean(-1)[:, None]
+        logits = self.head(x).view(-1, self.head.out_features)
+        return -logits.log_softmax(-1).gather(-1, targets.view(-1)[:, None]).mean()
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_sizes_named_apart_are_named_in_a_notice_with_the_check_that_unites_them(fresh_compiles, recwarn, check):
+    """The loss chunk slices the logits and the targets alike, so it needs their lengths equal;
+    where torch cannot prove it (two symbols, equal at every input given) the chunk is refused,
+    and the user is told which dims and what to write: `torch._check(targets.size(1) ==
+    x.size(1))`, with which the same model chunks at every length."""
+    torch.manual_seed(0)
+    model = HandWrittenLoss(check)
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=True)
+    for length in (256, 192):
+        g = torch.Generator().manual_seed(length)
+        inputs = (torch.randn(2, length, 32, generator=g), torch.randint(0, 32768, (2, length), generator=g))
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4 and relative_error(grads[0], want_grads[0]) < 1e-4
+    notices = [str(w.message) for w in recwarn if "torch cannot prove it" in str(w.message)]
+    built = [len(result.chunks) for result in remat.remat_pass.chunk_results]
+    if check:
+        assert not notices and built == [1, 1]      # the static first length, then every length
+    else:
+        [notice] = notices
+        assert built == [1, 0] and "torch._check(targets.size(1) == x.size(1))" in notice
+        assert "is targets.size(1)" in notice and "is x.size(1)" in notice

@@ -951,7 +951,7 @@ FIXED: list[Variant] = [
     # (reduction="none", a mask over the labels to learn).
     V("gpt_z_loss_seq", loss="z_loss_seq", expect=CHUNKS),
     V("gpt_ce_masked_flinear", loss="ce_masked", logits="f_linear", expect=CHUNKS),
-    # torch's own nn.TransformerEncoder, compiled with dynamic=True (chunk rules refuse dynamic sizes).
+    # torch's own nn.TransformerEncoder, compiled with dynamic=True.
     # (recompute_activation does not fire here, though it does on the static model and on a
     # dynamic GPT.)
     V("torch_transformer_dynamic", model="torch_transformer", dynamic=True,
@@ -974,11 +974,16 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     the scores are a MatMul written out in fp32 (16 MiB): SDPA and nn.MultiheadAttention hide
     them in one op, baddbmm is not a MatMul, bfloat16 scores are 8 MiB, and scores changed in
     place (div_, masked_fill_, +=) reach the softmax through a new_empty_strided that no chunk
-    kind declares. Nothing with dynamic=True: chunk rules refuse dynamic sizes."""
+    kind declares. With dynamic=True, the loss chunk (a fixed count of slices of symbolic
+    sizes) where the loss is one it takes, except after a graph break, where Dynamo names the
+    tokens' and the targets' sizes of the second graph apart (equal, not provably: the
+    UNPROVEN_SIZES notice), and for the hand-written loss, whose `gather` never asks the two
+    lengths to be equal, so they stay two symbols once the first length was specialized."""
     if variant.model != "gpt":
         return ()
     if variant.dynamic:
-        return ()               # chunk rules refuse dynamic sizes (README)
+        named_apart = variant.graph_break or variant.loss == "ce_hand"
+        return ("chunk_linear_cross_entropy",) if variant.returns == "loss" and not named_apart else ()
     rules = []
     # Every loss of LOSSES: softcap's elementwise ops between the two reshapes run in the slices'
     # shape (engine/strategies/chunk/grow.py, include_reshaped); ce_shift's slice along the

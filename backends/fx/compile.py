@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import sympy
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
@@ -43,7 +44,7 @@ from engine.strategies.chunk import ChunkRegion
 from backends.device import profile_for
 
 from .chunk import _propagate_fake, apply_chunk
-from .importer import PLAN, _flat_nodes, dim_bounds, import_fx
+from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
 from .modules import working_module
 from .replay import build_replay
 
@@ -188,10 +189,30 @@ def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
 # which the user should hear of once, with the way out.
 DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (dynamic=True, "
                   "mark_dynamic, or Dynamo's automatic dynamic shapes once a second input size "
-                  "arrives), and these regions' slices are built at static sizes only; the "
-                  "recompute plans still apply. To keep the chunks, compile with dynamic=False and "
-                  "pad the inputs to a few lengths (a multiple of 256, say): each length compiles once, up to "
-                  "torch._dynamo.config.recompile_limit lengths")
+                  "arrives), and {why}; the recompute plans still apply. To keep the chunk, compile "
+                  "with dynamic=False and pad the inputs to a few lengths (a multiple of 256, say): each "
+                  "length compiles once, up to torch._dynamo.config.recompile_limit lengths")
+
+# Two sizes equal at every input the user gives, which Dynamo named apart (two inputs' dims it
+# made dynamic one after the other, or the inputs of a graph after a break): torch._check in the
+# forward makes them one symbol.
+UNPROVEN_SIZES = ("remat: {rule} not applied: its slices need {a} and {b} equal, as they are at these "
+                  "inputs, but torch cannot prove it ({names}). Where they are always equal, say so in "
+                  "the forward, {check}, and the chunk is built")
+
+
+def _unproven_notice(rule: str, sizes: tuple, sources: dict[str, str]) -> str:
+    """UNPROVEN_SIZES for two size formulas, naming the symbols that tell them apart."""
+    a, b = (sympy.sympify(size) for size in sizes)
+    only_a = sorted(map(str, a.free_symbols - b.free_symbols))
+    only_b = sorted(map(str, b.free_symbols - a.free_symbols))
+    names = "; ".join(f"{sym} is {sources[sym]}" for sym in only_a + only_b if sym in sources) or \
+        "Dynamo gave them symbols of their own"
+    if len(only_a) == len(only_b) == 1 and only_a[0] in sources and only_b[0] in sources:
+        check = f"torch._check({sources[only_a[0]]} == {sources[only_b[0]]})"
+    else:
+        check = "torch._check(one_size == the_other)"
+    return UNPROVEN_SIZES.format(rule=rule, a=a, b=b, names=names, check=check)
 
 
 # A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
@@ -274,10 +295,16 @@ class RematPass(CustomGraphPass):
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
             self.chunk_results.append(done.chunk_result)
-            dynamic = sorted({r.match.rule.name for r in done.chunk_result.planning.refusals
-                              if r.reason.dynamic_sizes})
-            if dynamic:
-                self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(dynamic)))
+            refusals = [r for r in done.chunk_result.planning.refusals if r.reason.dynamic_sizes]
+            unproven = {r.match.rule.name: r.reason.unproven_sizes for r in refusals if r.reason.unproven_sizes}
+            if unproven:
+                sources = size_sources(builder.graph)
+                for rule, sizes in sorted(unproven.items()):
+                    self._notice(_unproven_notice(rule, sizes, sources))
+            static = {r.match.rule.name: r.reason.message for r in refusals if r.match.rule.name not in unproven}
+            if static:
+                self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)),
+                                                   why=next(iter(static.values()))))
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:

@@ -9,6 +9,8 @@ one IR node named after the original op, so `y = Gelu(x)` matches on both backen
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -211,22 +213,39 @@ def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:
     import sympy
 
     bounds: dict[str, tuple[int, int | None]] = {}
+    for symbol, env in _placeholder_symbols(graph):
+        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val     # torch 2.13 / 2.11
+        hint = hints.get(symbol)
+        if hint is None:
+            continue
+        upper = getattr(env.var_to_range.get(symbol), "upper", None)
+        largest = int(upper) if isinstance(upper, sympy.Integer) and int(upper) >= int(hint) else None
+        bounds[str(symbol)] = (int(hint), largest)
+    return bounds
+
+
+def _placeholder_symbols(graph: fx.Graph) -> Iterator[tuple[Any, Any]]:
+    """The symbols of the placeholders' sizes, each with its shape environment."""
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor):
             continue
         for d in val.shape:
             if isinstance(d, torch.SymInt):
-                env = d.node.shape_env
-                hints = getattr(env, "backed_var_to_val", None) or env.var_to_val     # torch 2.13 / 2.11
                 for symbol in d.node.expr.free_symbols:
-                    hint = hints.get(symbol)
-                    if hint is None:
-                        continue
-                    upper = getattr(env.var_to_range.get(symbol), "upper", None)
-                    largest = int(upper) if isinstance(upper, sympy.Integer) and int(upper) >= int(hint) else None
-                    bounds[str(symbol)] = (int(hint), largest)
-    return bounds
+                    yield symbol, d.node.shape_env
+
+
+def size_sources(graph: fx.Graph) -> dict[str, str]:
+    """Each symbol of the placeholders' sizes and the user's name for it where the shape
+    environment knows where it came from (Dynamo's source `L['targets'].size()[1]`, written
+    `targets.size(1)`), for messages that tell the user what to write."""
+    sources: dict[str, str] = {}
+    for symbol, env in _placeholder_symbols(graph):
+        for source in getattr(env, "var_to_sources", {}).get(symbol, ())[:1]:
+            name = source.name() if callable(source.name) else source.name
+            sources[str(symbol)] = re.sub(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$", r"\1.size(\2)", name)
+    return sources
 
 
 def _flat_nodes(args: Any) -> list[fx.Node]:

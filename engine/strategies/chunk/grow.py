@@ -57,8 +57,8 @@ from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static, simplify
-from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, attr_text, dim_map, norm_dim, rank_of,
-                    same_size)
+from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, RefusedUnproven, attr_text, dim_map, norm_dim,
+                    rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
                      slice_sizes, unit_denominator, unit_formula)
 
@@ -335,9 +335,12 @@ class _Grower:
                 # equal at the example sizes, where a static graph would have one number.
                 example = evaluate(total, self.examples)
                 alike = example is not None and evaluate(v.shape[r], self.examples) == example
-                raise (RefusedDynamic if alike else Refused)(
-                    f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size {v.shape[r]} "
-                    f"is not the chunked size {total}")
+                message = (f"{node.op} {node.name} needs %{v.name} sliced along dim {r}, whose size "
+                           f"{v.shape[r]} is not the chunked size {total}")
+                if alike:
+                    raise RefusedUnproven(message + " (equal at the example sizes, not provably)",
+                                          (v.shape[r], total))
+                raise Refused(message)
             if id(v) in self.reshaped:
                 raise Refused(f"{node.op} {node.name} reads %{v.name} in its own shape, where another node of "
                               f"the region reads it in the shape of %{self.reshaped[id(v)].name}")
@@ -845,4 +848,5 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
             refused = refused or e
             if grower is None or not grower.elided:
                 break           # nothing was skipped: growing again would refuse alike
-    return Reason(action.location, str(refused), dynamic_sizes=isinstance(refused, RefusedDynamic))
+    return Reason(action.location, str(refused), dynamic_sizes=isinstance(refused, RefusedDynamic),
+                  unproven_sizes=refused.sizes if isinstance(refused, RefusedUnproven) else None)

@@ -76,6 +76,16 @@ class RefusedDynamic(Refused):
     would chunk (Reason.dynamic_sizes)."""
 
 
+class RefusedUnproven(RefusedDynamic):
+    """A region that needs two sizes equal which are equal at the example sizes but written
+    with different symbols (a tracer that named two inputs' dims apart, or the sizes of two
+    graph pieces anew): it chunks where the graph says they are equal (Reason.unproven_sizes)."""
+
+    def __init__(self, message: str, sizes: tuple[Any, Any]):
+        super().__init__(message)
+        self.sizes = sizes
+
+
 @dataclass
 class DimMap:
     """How one node's output dims relate to its inputs' dims."""
