@@ -198,7 +198,7 @@ DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (d
 # forward makes them one symbol.
 UNPROVEN_SIZES = ("remat: {rule} not applied: its slices need {a} and {b} equal, as they are at these "
                   "inputs, but torch cannot prove it ({names}). Where they are always equal, say so in "
-                  "the forward, {check}, and the chunk is built")
+                  "the forward beside the loss (after any graph break), {check}, and the chunk is built")
 
 
 def _unproven_notice(rule: str, sizes: tuple, sources: dict[str, str]) -> str:
