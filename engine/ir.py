@@ -20,7 +20,7 @@ from typing import Any
 
 from .dtypes import DType
 from .errors import GraphError
-from .shapes import Dim, format_shape, numel, simplify
+from .shapes import Dim, format_shape, free_dims, numel, simplify, substitute, united_sizes
 
 
 @dataclass(eq=False, slots=True)
@@ -189,6 +189,32 @@ class Graph:
             if id(v) not in seen:
                 seen.add(id(v))
                 yield v
+
+    def unite_sizes(self, facts: list[tuple[Dim, Dim]], lower_bounds: dict[str, int] | None = None) -> dict:
+        """Write each value's sizes without the symbols `facts` (pairs of formulas equal at every
+        run: fx, the shape environment's guards) prove equal to formulas of others
+        (shapes.united_sizes), in this graph and its subgraphs: one size, one formula. Returns
+        what was substituted."""
+        if not facts:
+            return {}
+        uses: dict[str, int] = {}
+        for v in self.values():
+            for d in v.shape or ():
+                for name in free_dims(d):
+                    uses[name] = uses.get(name, 0) + 1
+        united = united_sizes(facts, lower_bounds, uses)
+        self._substitute(united)
+        return united
+
+    def _substitute(self, united: dict) -> None:
+        if not united:
+            return
+        for v in self.values():
+            if v.shape is not None:
+                v.shape = tuple(substitute(d, united) for d in v.shape)
+        for node in self.nodes:
+            for sub in node.subgraphs.values():
+                sub._substitute(united)
 
     def node_index(self) -> dict[int, int]:
         """Position of each node (keyed by id) in the schedule."""

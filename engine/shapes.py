@@ -57,10 +57,86 @@ def numel(shape: Sequence[Dim]) -> Dim:
 
 
 def simplify(expr: Dim) -> Dim:
+    """A formula in one form for one value: expanded, or, where it divides by sizes (a symbol
+    united_sizes solved as a quotient), one fraction in lowest terms, which `expand` is not."""
     if isinstance(expr, sympy.Expr):
-        expr = sympy.expand(expr)
+        if any(p.exp.is_negative for p in expr.atoms(sympy.Pow)):
+            expr = sympy.cancel(expr)
+        else:
+            expr = sympy.expand(expr)
         return int(expr) if expr.is_Integer else expr
     return expr
+
+
+def united_sizes(facts: Sequence[tuple[Dim, Dim]], lower_bounds: Mapping[str, int] | None = None,
+                 uses: Mapping[str, int] | None = None) -> dict[sympy.Symbol, Dim]:
+    """Symbols that `facts` (pairs of formulas equal at every run of the graph) prove equal to a
+    formula of others, each mapped to it. Backends have such facts where a graph's inputs name
+    one size with two symbols: Dynamo names the dims of the logits and of the targets apart
+    when a graph break separates them, and `F.cross_entropy` guards their row counts equal:
+    `s27*s77 == s24*s27`, the batches named apart (s77 -> s24, as no size can make the factor
+    s27 zero), or `s27*s77 == s13*s24`, both dims (s77 -> s13*s24/s27: a quotient, exact at
+    every run, which is all a slice of the flattened rows needs). With them substituted, the
+    engine's formulas compare equal where the sizes are.
+
+    A fact is factored; the factors that cannot vanish for sizes at their lower bounds (1
+    where `lower_bounds` does not say) are dropped; the one factor left is solved for a symbol
+    it is linear in, one with a unit coefficient first, else one whose coefficient no size can
+    make zero; among those, the one in the fewest of the graph's sizes (`uses`: the targets'
+    dims, not the hidden states', which a quotient would make every formula of the model's),
+    then the later by name. Not a decision procedure: a fact it cannot solve is left unused."""
+    lower_bounds, uses = lower_bounds or {}, uses or {}
+    united: dict[sympy.Symbol, Dim] = {}
+    for lhs, rhs in facts:
+        fact = substitute(simplify(sympy.sympify(lhs) - rhs), united)
+        if not isinstance(fact, sympy.Expr) or fact.is_Number:
+            continue
+        numerator, _ = sympy.fraction(sympy.together(fact))      # a quotient's denominator is no size's zero
+        _, factors = sympy.factor_list(numerator)
+        zeroable = [f for f, _ in factors if not _positive(f, lower_bounds)]
+        if len(zeroable) != 1:
+            continue
+        solved = _solved(zeroable[0], lower_bounds, uses)
+        if solved is not None:
+            s, solution = solved
+            united = {k: substitute(v, {s: solution}) for k, v in united.items()}
+            united[s] = solution
+    return united
+
+
+def _solved(factor: sympy.Expr, lower_bounds: Mapping[str, int], uses: Mapping[str, int]
+            ) -> tuple[sympy.Symbol, Dim] | None:
+    """`factor == 0` solved for one of its symbols (united_sizes says which)."""
+    candidates = []
+    for s in factor.free_symbols:
+        coefficient = sympy.expand(factor).coeff(s)
+        rest = sympy.expand(factor - coefficient * s)
+        if s in rest.free_symbols or s in coefficient.free_symbols:
+            continue
+        if coefficient in (1, -1):
+            candidates.append((0, s, -rest / coefficient))
+        elif rest.free_symbols and (_positive(coefficient, lower_bounds) or _positive(-coefficient, lower_bounds)):
+            # a quotient of sizes (not of a constant: `s1*s2 == 64` is a static view's guard)
+            candidates.append((1, s, -rest / coefficient))
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: c[1].name, reverse=True)
+    _, s, solution = min(candidates, key=lambda c: (c[0], uses.get(c[1].name, 0)))
+    return s, simplify(solution)
+
+
+def _positive(expr: sympy.Expr, lower_bounds: Mapping[str, int]) -> bool:
+    """Whether `expr` is positive for every size at or above its lower bound."""
+    shifted = {s: lower_bounds.get(s.name, 1) + sympy.Symbol(f"_{s.name}_above", nonnegative=True, integer=True)
+               for s in expr.free_symbols}
+    return bool(sympy.expand(expr.subs(shifted)).is_positive)
+
+
+def substitute(expr: Dim, united: Mapping[sympy.Symbol, Dim]) -> Dim:
+    """`expr` with the symbols `united` maps written as what they equal."""
+    if not united or not isinstance(expr, sympy.Expr):
+        return expr
+    return simplify(expr.subs(united))
 
 
 def is_static(expr: Dim) -> bool:

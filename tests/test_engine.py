@@ -318,6 +318,34 @@ def test_reshape_map_keeps_dims_with_the_same_size_after_the_same_elements():
     assert reshape_map((32, 512), (32, 512)) == {0: 0, 1: 1}
 
 
+def test_sizes_that_facts_prove_equal_are_written_with_one_symbol():
+    """Dynamo names the batch of the logits and of the targets apart after a graph break, and
+    F.cross_entropy guards their row counts equal: s24 and s77 are one size."""
+    from engine.shapes import parse_dim, substitute, united_sizes
+
+    s24, s27, s77 = symbol("s24"), symbol("s27"), symbol("s77")
+    united = united_sizes([(parse_dim("s27*s77"), parse_dim("s24*s27"))])
+    assert united == {s77: s24}
+    assert substitute(parse_dim("s27*s77 - s77"), united) == parse_dim("s24*(s27 - 1)").expand()
+    # s27 - 1 is zero at s27 = 1, where the fact says nothing of s77; Dynamo's sizes start at 2
+    shifted = [(parse_dim("s77*(s27 - 1)"), parse_dim("s24*(s27 - 1)"))]
+    assert united_sizes(shifted) == {} and united_sizes(shifted, {"s27": 2}) == {s77: s24}
+    # chained: both onto one symbol; a fact with no unit-coefficient solution is left unused
+    assert united_sizes([(s27 * s77, s24 * s27), (s24, symbol("s9"))]) == {s77: s24, symbol("s9"): s24}
+    assert united_sizes([(s24 * s27, 64)]) == {} and united_sizes([(2 * s24, 2 * s77)]) == {s77: s24}
+    # both dims named apart: the symbol of the fewest sizes as a quotient, whose formulas then
+    # compare equal where the row counts do, and a graph's shapes written with it
+    s13 = symbol("s13")
+    united = united_sizes([(s27 * s77, s13 * s24)], uses={"s24": 2, "s13": 3, "s27": 9, "s77": 9})
+    assert united == {s24: s27 * s77 / s13}
+    assert substitute(s24 * s13, united) == substitute(s77 * s27, united)
+    targets = Value("targets", shape=(s24, s13))
+    hidden = Value("hidden", shape=(s77, s27, 64))
+    graph = Graph([Node("Add", [hidden, hidden], [Value("sum", shape=(s77, s27, 64))])], [hidden, targets])
+    assert graph.unite_sizes([(s27 * s77, s13 * s24)]) == {s24: s27 * s77 / s13}
+    assert targets.shape == (s27 * s77 / s13, s13) and hidden.shape == (s77, s27, 64)
+
+
 def test_chunk_sizes_cover_the_dim_with_at_most_count_slices():
     from engine.strategies.chunk import Refused, slice_sizes
 

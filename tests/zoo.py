@@ -975,14 +975,15 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     them in one op, baddbmm is not a MatMul, bfloat16 scores are 8 MiB, and scores changed in
     place (div_, masked_fill_, +=) reach the softmax through a new_empty_strided that no chunk
     kind declares. With dynamic=True, the loss chunk (a fixed count of slices of symbolic
-    sizes) where the loss is one it takes, except after a graph break, where Dynamo names the
-    tokens' and the targets' sizes of the second graph apart (equal, not provably: the
-    UNPROVEN_SIZES notice), and for the hand-written loss, whose `gather` never asks the two
-    lengths to be equal, so they stay two symbols once the first length was specialized."""
+    sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
+    and the targets' sizes of the second graph apart, and the loss's guard that their row
+    counts are equal unites them: engine.shapes.united_sizes), except for the hand-written
+    loss, whose `gather` never asks the two sizes to be equal, so they stay two symbols once
+    the first length was specialized (the UNPROVEN_SIZES notice)."""
     if variant.model != "gpt":
         return ()
     if variant.dynamic:
-        named_apart = variant.graph_break or variant.loss == "ce_hand"
+        named_apart = variant.loss == "ce_hand"
         return ("chunk_linear_cross_entropy",) if variant.returns == "loss" and not named_apart else ()
     rules = []
     # Every loss of LOSSES: softcap's elementwise ops between the two reshapes run in the slices'

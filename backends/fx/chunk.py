@@ -131,9 +131,13 @@ class _Slice:
         return start, end
 
 
-def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None) -> torch.Tensor:
-    return t if meta.dim is None else aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim],
-                                                                                   groups=groups))
+def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None) -> torch.Tensor:
+    """`rows`: the rows the slice bounds are laid out over where not `t`'s own (the first operand
+    of its unit's, as _rewire slices them: a size written with other symbols, proven equal)."""
+    if meta.dim is None:
+        return t
+    return aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim] if rows is None else rows,
+                                                         groups=groups))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -393,10 +397,13 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     meta_of = {x: r.meta for x, r in zip(inputs, input_meta)} | meta_by_fx
+    rows: dict = {}     # the rows of each unit, read from its first operand (as _rewire does)
     for x, r in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
-        p.meta["val"] = _fake_slice(val, r.meta, piece, groups)
+        if r.meta.dim is not None:
+            rows.setdefault(r.meta.unit, val.shape[r.meta.dim])
+        p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None)
         env[x] = p
     for x in sizes:
         env[x] = sub.placeholder(x.name)

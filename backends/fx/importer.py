@@ -20,7 +20,7 @@ from torch import fx
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, SliceSizes, Value
-from engine.shapes import parse_dim
+from engine.shapes import free_dims, parse_dim
 
 from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, OPERAND_ORDER, SCALAR_OPERANDS, canonical_attributes
 
@@ -190,6 +190,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
                            dynamic_reshapes=True)
             result.dim_examples = _dim_examples(graph)
+            result.unite_sizes(size_facts(graph), smallest_sizes(graph))
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
             return result
@@ -234,6 +235,44 @@ def _placeholder_symbols(graph: fx.Graph) -> Iterator[tuple[Any, Any]]:
             if isinstance(d, torch.SymInt):
                 for symbol in d.node.expr.free_symbols:
                     yield symbol, d.node.shape_env
+
+
+def smallest_sizes(graph: fx.Graph) -> dict[str, int]:
+    """Each symbol of the placeholders' sizes and the least its shape environment allows (2 for
+    Dynamo's dynamic dims, which specializes 0 and 1)."""
+    import sympy
+
+    smallest: dict[str, int] = {}
+    for symbol, env in _placeholder_symbols(graph):
+        lower = getattr(env.var_to_range.get(symbol), "lower", None)
+        if isinstance(lower, sympy.Integer) and int(lower) >= 1:
+            smallest[str(symbol)] = int(lower)
+    return smallest
+
+
+def size_facts(graph: fx.Graph) -> list[tuple[Any, Any]]:
+    """The equalities among the placeholders' size symbols that Dynamo checks before the graph
+    runs (its shape environment's guards: `F.cross_entropy` guards `Eq(s27*s77, s24*s27)` where
+    a graph break made Dynamo name the batch of the logits and of the targets apart), as pairs
+    of formulas. Torch keeps an equality it cannot turn into a replacement as a guard; the
+    importer unites the symbols such facts prove equal (engine.shapes.united_sizes), so the
+    engine sees one formula for one size."""
+    import sympy
+
+    envs = {id(env): env for _, env in _placeholder_symbols(graph)}
+    names = {str(symbol) for symbol, _ in _placeholder_symbols(graph)}
+    facts: list[tuple[Any, Any]] = []
+    for env in envs.values():
+        for guard in getattr(env, "guards", ()):
+            expr = getattr(guard, "expr", None)
+            if not isinstance(expr, sympy.Eq) or not expr.free_symbols:
+                continue
+            sides = (parse_dim(str(expr.lhs)), parse_dim(str(expr.rhs)))
+            # sums and products of the inputs' sizes (not FloorDiv or Mod, which parse_dim makes
+            # opaque symbols)
+            if all(free_dims(side) <= names for side in sides):
+                facts.append(sides)
+    return facts
 
 
 def size_sources(graph: fx.Graph) -> dict[str, str]:

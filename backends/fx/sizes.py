@@ -114,8 +114,13 @@ def _lowered(expr, leaf):
     torch's sympy interpreter: an fx node where the leaves are proxies, a SymInt where SymInts."""
     if not isinstance(expr, sympy.Expr) or expr.is_Integer:
         return int(expr)
+    from torch.utils._sympy.functions import FloorDiv
     from torch.utils._sympy.interp import sympy_interp
     from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    if any(p.exp.is_negative for p in expr.atoms(sympy.Pow)):
+        # a quotient of sizes (engine.shapes.united_sizes), exact: an integer division
+        expr = FloorDiv(*sympy.fraction(sympy.cancel(expr)))
 
     result = sympy_interp(PythonReferenceAnalysis, {s: leaf(s) for s in expr.free_symbols}, expr)
     return result.node if isinstance(result, fx.Proxy) else result
