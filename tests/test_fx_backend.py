@@ -187,3 +187,47 @@ def test_a_torch_compile_mode_reaches_inductor_through_the_registered_backend(fr
     assert relative_error(loss, eager_loss) <= 1e-4
     with pytest.raises(ConfigError, match="unknown torch.compile mode"):
         fx_backend.backend(mode="fastest")
+
+
+def test_in_place_ops_on_scores_leave_clones_that_compute_the_same_joint_graph():
+    """`scores.div_(8)` and `scores.masked_fill_(mask, -inf)` on attention scores: AOTAutograd's
+    backward writes them as `copy(new_empty_strided(...), g)` and `copy(view, masked_fill(...))`,
+    which no chunk kind knows; backends.fx.normalize writes each as a clone, and the joint
+    graph computes the same numbers."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    from backends.fx.normalize import strided_copies_as_clones
+
+    joints = []
+
+    def partition(joint, inputs, **kwargs):
+        joints.append(copy.deepcopy(joint))
+        return default_partition(joint, inputs, **kwargs)
+
+    def scores(q, k, mask):
+        s = q @ k.transpose(-1, -2)
+        s.div_(8.0)
+        s.masked_fill_(mask, float("-inf"))
+        return s.softmax(-1).sum()
+
+    torch._dynamo.reset()
+    q, k = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(2))
+    mask = torch.ones(16, 16, dtype=torch.bool).triu(1)
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g, partition_fn=partition)
+    torch.compile(scores, backend=backend)(q, k, mask).backward()
+    [joint] = joints
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    g = torch.Generator().manual_seed(0)
+    real = [torch.randn(n.meta["val"].shape, generator=g) if n.meta["val"].is_floating_point()
+            else torch.ones(n.meta["val"].shape, dtype=n.meta["val"].dtype).triu(1) for n in placeholders]
+    primals, tangents = real[:-1], real[-1:]
+    want = joint(primals, tangents)
+    assert strided_copies_as_clones(joint.graph) >= 2       # 4 on torch 2.13: two per in-place op
+    joint.recompile()
+    targets = {n.target for n in joint.graph.nodes}
+    assert torch.ops.aten.copy.default not in targets and torch.ops.aten.new_empty_strided.default not in targets
+    got = joint(primals, tangents)
+    assert all(torch.equal(a, b) for a, b in zip(want, got) if isinstance(a, torch.Tensor))

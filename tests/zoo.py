@@ -932,6 +932,10 @@ FIXED: list[Variant] = [
     # bfloat16 scores are 8 MiB: below chunk_attention_scores' 16 MiB. Soft-capped logits
     # (Gemma 2): the cap runs on (batch, seq, vocab), between the head's reshape and the loss's,
     # which the slices of tokens skip (the cap runs on (tokens, vocab) slices).
+    # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
+    # new_empty_strided buffers, written as clones before the rules see the graph
+    # (backends/fx/normalize.py), and the attention chunk grows through them.
+    V("gpt_inplace_div_float_additive", scale="div_float", mask="additive", inplace=True, expect=CHUNKS),
     V("gpt_bf16_fp32_softmax_inplace_softcap", precision="bf16", inplace=True, loss="softcap",
       expect=("recompute_cast", "chunk_linear_cross_entropy")),
     V("gpt_autocast_blocks_sdpa_is_causal_graph_break_nll", precision="autocast", scale="sdpa",
@@ -972,9 +976,9 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     random mixes): the loss chunk (fp32 logits of 32 MiB from 1 MiB of hidden states) where
     the loss is one it takes and the logits are not a graph output; the attention chunk where
     the scores are a MatMul written out in fp32 (16 MiB): SDPA and nn.MultiheadAttention hide
-    them in one op, baddbmm is not a MatMul, bfloat16 scores are 8 MiB, and scores changed in
-    place (div_, masked_fill_, +=) reach the softmax through a new_empty_strided that no chunk
-    kind declares. With dynamic=True, the loss chunk (a fixed count of slices of symbolic
+    them in one op, baddbmm is not a MatMul, and bfloat16 scores are 8 MiB (scores changed in
+    place, div_, masked_fill_, +=, reach the softmax through copies into new_empty_strided
+    buffers, which backends.fx.normalize writes as clones). With dynamic=True, the loss chunk (a fixed count of slices of symbolic
     sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
     and the targets' sizes of the second graph apart, and the loss's guard that their row
     counts are equal unites them: engine.shapes.united_sizes), except for the hand-written
@@ -992,10 +996,7 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     # whole batch rows (BATCH is 2); ce_hand's gradient is a scatter_add into zeros.
     if variant.returns == "loss":
         rules.append("chunk_linear_cross_entropy")
-    in_place_scores = variant.inplace and (variant.scale in ("mul_float", "div_float")
-                                           or variant.mask in ("bool_fill", "additive"))
-    if (variant.scale not in ("sdpa", "baddbmm", "nn_mha") and variant.precision in ("fp32", "softmax_dtype")
-            and not in_place_scores):
+    if variant.scale not in ("sdpa", "baddbmm", "nn_mha") and variant.precision in ("fp32", "softmax_dtype"):
         rules.append("chunk_attention_scores")
     return tuple(rules)
 

@@ -46,6 +46,7 @@ from backends.device import profile_for
 from .chunk import _propagate_fake, apply_chunk
 from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
 from .modules import working_module
+from .normalize import strided_copies_as_clones
 from .replay import build_replay
 
 
@@ -83,6 +84,7 @@ class FxBuilder:
         copy = fx.Graph()
         copy.output(copy.graph_copy(self.graph, {}))
         self.work = working_module(self.owner if self.owner is not None else {}, copy)
+        strided_copies_as_clones(self.work.graph)
         self.two_phase = False
         self.rebuilt = False        # nodes added other than chunk calls (a replay's)
         self.replaced = {}

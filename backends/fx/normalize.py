@@ -1,0 +1,57 @@
+"""Rewrites of a joint graph into the forms the importer and the chunk kinds know, run on
+the working copy before a rewrite is planned (FxBuilder.start); each leaves the values the
+same.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._prims_common import make_contiguous_strides_for
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+
+
+def strided_copies_as_clones(graph: fx.Graph) -> int:
+    """`copy(dst, src)` into a contiguous `dst` of `src`'s shape and type, as `clone(src)`; the
+    number rewritten. AOTAutograd writes the backward of an op done in place on a view of
+    attention scores (`scores.div_(8)`, `scores.masked_fill_(mask, -inf)`, `scores += mask`)
+    as `copy(new_empty_strided(g, size, stride), g)` and `copy(view, masked_fill(clone(view)))`:
+    its values are `src`'s in `dst`'s layout, which a contiguous clone has too. No chunk kind
+    knows `copy` or `new_empty_strided` (whose size and strides are arguments), and the
+    scores' chunk stopped there; a clone is an Identity, through which it grows."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default or len(node.args) != 2 or node.kwargs:
+            continue
+        dst, src = node.args
+        dst_val, src_val = (getattr(a, "meta", {}).get("val") for a in (dst, src))
+        if not (isinstance(dst_val, torch.Tensor) and isinstance(src_val, torch.Tensor)):
+            continue
+        if dst_val.dtype != src_val.dtype or dst_val.device != src_val.device or dst_val.dim() != src_val.dim():
+            continue
+        if not all(statically_known_true(a == b) for a, b in zip(dst_val.shape, src_val.shape)):
+            continue
+        contiguous = make_contiguous_strides_for(dst_val.shape)
+        if not all(statically_known_true(a == b) or statically_known_true(dst_val.shape[k] == 1)
+                   for k, (a, b) in enumerate(zip(dst_val.stride(), contiguous))):
+            continue
+        with graph.inserting_before(node):
+            clone = graph.call_function(aten.clone.default, (src,), {"memory_format": torch.contiguous_format})
+        clone.meta = dict(node.meta)
+        node.replace_all_uses_with(clone)
+        graph.erase_node(node)
+        _erase_if_unused(graph, dst)
+        rewritten += 1
+    return rewritten
+
+
+def _erase_if_unused(graph: fx.Graph, node) -> None:
+    """Erase `node` and then its inputs where nothing else reads them and they are a fresh
+    buffer or its size arithmetic (new_empty_strided, sym_stride, sym_size)."""
+    erasable = (aten.new_empty_strided.default, aten.sym_stride.int, aten.sym_size.int)
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in erasable and not node.users:
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        for n in inputs:
+            _erase_if_unused(graph, n)
