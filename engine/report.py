@@ -126,7 +126,14 @@ def plan_table(planning: "Planning", result: "Result | None" = None, markdown: b
         _table(header, body, markdown)
         if body else "No plans: no rule found a stashed activation it can recompute.",
     ]
-    if result is not None:
+    if result is not None and result.chunks and not result.applied:
+        # The chunk plans: the backend builds their regions after this; a peak "after" here
+        # would be the graph's before (the report of what follows is of the built graph).
+        lines += ["", f"Selected {len(result.chunks)} chunk region(s), for the backend to build."]
+        if result.peak_before is not None:
+            lines.append(f"Estimated peak (in schedule order, views aliased): {format_bytes(result.peak_before)} "
+                         f"before they are built")
+    elif result is not None:
         total = simplify(sum((r.net for r in result.applied), 0))
         lines += ["", f"Applied {len(result.applied)} recompute region(s), saving "
                       f"{format_bytes(evaluate(total, examples))} of stash"
