@@ -75,8 +75,8 @@ def united_sizes(facts: Sequence[tuple[Dim, Dim]], lower_bounds: Mapping[str, in
     one size with two symbols: Dynamo names the dims of the logits and of the targets apart
     when a graph break separates them, and `F.cross_entropy` guards their row counts equal:
     `s27*s77 == s24*s27`, the batches named apart (s77 -> s24, as no size can make the factor
-    s27 zero), or `s27*s77 == s13*s24`, both dims (s77 -> s13*s24/s27: a quotient, exact at
-    every run, which is all a slice of the flattened rows needs). With them substituted, the
+    s27 zero), or `s27*s77 == s13*s24`, both dims (the targets' batch s24 -> s27*s77/s13: a
+    quotient, exact at every run, which is all a slice of the flattened rows needs). With them substituted, the
     engine's formulas compare equal where the sizes are.
 
     A fact is factored; the factors that cannot vanish for sizes at their lower bounds (1
