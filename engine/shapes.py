@@ -60,12 +60,17 @@ def simplify(expr: Dim) -> Dim:
     """A formula in one form for one value: expanded, or, where it divides by sizes (a symbol
     united_sizes solved as a quotient), one fraction in lowest terms, which `expand` is not."""
     if isinstance(expr, sympy.Expr):
-        if any(p.exp.is_negative for p in expr.atoms(sympy.Pow)):
+        if is_quotient(expr):
             expr = sympy.cancel(expr)
         else:
             expr = sympy.expand(expr)
         return int(expr) if expr.is_Integer else expr
     return expr
+
+
+def is_quotient(expr: sympy.Expr) -> bool:
+    """Whether a formula divides by a size (a symbol united_sizes solved as a quotient)."""
+    return any(p.exp.is_negative for p in expr.atoms(sympy.Pow))
 
 
 def united_sizes(facts: Sequence[tuple[Dim, Dim]], lower_bounds: Mapping[str, int] | None = None,
@@ -76,8 +81,8 @@ def united_sizes(facts: Sequence[tuple[Dim, Dim]], lower_bounds: Mapping[str, in
     when a graph break separates them, and `F.cross_entropy` guards their row counts equal:
     `s27*s77 == s24*s27`, the batches named apart (s77 -> s24, as no size can make the factor
     s27 zero), or `s27*s77 == s13*s24`, both dims (the targets' batch s24 -> s27*s77/s13: a
-    quotient, exact at every run, which is all a slice of the flattened rows needs). With them substituted, the
-    engine's formulas compare equal where the sizes are.
+    quotient, exact at every run, which is all a slice of the flattened rows needs). With them
+    substituted, the engine's formulas compare equal where the sizes are.
 
     A fact is factored; the factors that cannot vanish for sizes at their lower bounds (1
     where `lower_bounds` does not say) are dropped; the one factor left is solved for a symbol
@@ -108,8 +113,9 @@ def _solved(factor: sympy.Expr, lower_bounds: Mapping[str, int], uses: Mapping[s
             ) -> tuple[sympy.Symbol, Dim] | None:
     """`factor == 0` solved for one of its symbols (united_sizes says which)."""
     candidates = []
+    factor = sympy.expand(factor)
     for s in factor.free_symbols:
-        coefficient = sympy.expand(factor).coeff(s)
+        coefficient = factor.coeff(s)
         rest = sympy.expand(factor - coefficient * s)
         if s in rest.free_symbols or s in coefficient.free_symbols:
             continue

@@ -234,24 +234,34 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 
-class HandWrittenLoss(torch.nn.Module):
-    """A head and a cross-entropy written by hand (`gather`, which asks only that the targets
-    be no longer than the logits), after a causal mask sliced from a buffer as long as the
-    first batch: Dynamo specializes the first length on that slice, and when a second length
-    arrives it makes the dims dynamic one input at a time, naming the tokens' and the targets'
-    lengths apart (s27, s13) though they are always equal."""
+class _HeadAfterACausalMask(torch.nn.Module):
+    """A vocabulary head after a causal mask sliced from a buffer as long as the first batch:
+    Dynamo specializes the first length on that slice and, when a second length arrives, makes
+    the dims dynamic one input at a time."""
 
-    def __init__(self, check: bool, d: int = 32, vocab: int = 32768, longest: int = 256):
+    def __init__(self, d: int = 32, vocab: int = 32768, longest: int = 256):
         super().__init__()
         self.head = torch.nn.Linear(d, vocab, bias=False)
         self.register_buffer("causal", torch.tril(torch.ones(longest, longest)))
+
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return x + self.causal[:t, :t].mean(-1)[:, None]
+
+
+class HandWrittenLoss(_HeadAfterACausalMask):
+    """A cross-entropy written by hand (`gather`, which asks only that the targets be no longer
+    than the logits) after the mask: Dynamo names the tokens' and the targets' lengths apart
+    (s27, s13) though they are always equal."""
+
+    def __init__(self, check: bool):
+        super().__init__()
         self.check = check
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.check:
             torch._check(targets.size(1) == x.size(1))
-        t = x.shape[1]
-        x = x + self.causal[:t, :t].mean(-1)[:, None]
+        x = self.masked(x)
         logits = self.head(x).view(-1, self.head.out_features)
         return -logits.log_softmax(-1).gather(-1, targets.view(-1)[:, None]).mean()
 
@@ -289,22 +299,19 @@ def test_sizes_named_apart_are_named_in_a_notice_with_the_check_that_unites_them
         assert "is targets.size(1)" in notice and "is x.size(1)" in notice
 
 
-class LossAfterABreak(torch.nn.Module):
+class LossAfterABreak(_HeadAfterACausalMask):
     """HandWrittenLoss's causal mask, then a graph break and `F.cross_entropy` (`shift`: of the
     logits of every token but the last, against the targets of every token but the first, as
     Hugging Face's models shift the labels). The second graph's inputs get symbols of their
     own, the hidden states' batch apart from the targets'; cross-entropy guards the row counts
     equal (`Eq(s27*s77, s24*s27)`), which proves the two batches one size."""
 
-    def __init__(self, shift: bool, d: int = 32, vocab: int = 32768, longest: int = 256):
+    def __init__(self, shift: bool):
         super().__init__()
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.register_buffer("causal", torch.tril(torch.ones(longest, longest)))
         self.shift = shift
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        x = x + self.causal[:t, :t].mean(-1)[:, None]
+        x = self.masked(x)
         torch._dynamo.graph_break()
         logits = self.head(x)
         if self.shift:

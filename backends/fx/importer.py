@@ -259,8 +259,9 @@ def size_facts(graph: fx.Graph) -> list[tuple[Any, Any]]:
     engine sees one formula for one size."""
     import sympy
 
-    envs = {id(env): env for _, env in _placeholder_symbols(graph)}
-    names = {str(symbol) for symbol, _ in _placeholder_symbols(graph)}
+    symbols = list(_placeholder_symbols(graph))
+    envs = {id(env): env for _, env in symbols}
+    names = {str(symbol) for symbol, _ in symbols}
     facts: list[tuple[Any, Any]] = []
     for env in envs.values():
         for guard in getattr(env, "guards", ()):

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from engine.errors import GraphError
+from engine.shapes import is_quotient
 
 aten = torch.ops.aten
 
@@ -118,7 +119,7 @@ def _lowered(expr, leaf):
     from torch.utils._sympy.interp import sympy_interp
     from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-    if any(p.exp.is_negative for p in expr.atoms(sympy.Pow)):
+    if is_quotient(expr):
         # a quotient of sizes (engine.shapes.united_sizes), exact: an integer division
         expr = FloorDiv(*sympy.fraction(sympy.cancel(expr)))
 
