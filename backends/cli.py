@@ -196,9 +196,12 @@ def cmd_measure(args) -> int:
         from backends.plots import pyplot
 
         pyplot(timeline_path, f"--timeline {args.timeline}")
+    draws = False
     if args.compare:
-        check_feeds(import_model(args.compare), feeds, feeds_source(args.model, args.inputs),
-                    args.compare, dims)
+        other_graph = import_model(args.compare)
+        check_feeds(other_graph, feeds, feeds_source(args.model, args.inputs), args.compare, dims)
+        # ONNX Runtime draws a Dropout's mask anew at every run: two runs differ by their masks
+        draws = any(n.op == "Dropout" for g in (graph, other_graph) for n in g.nodes)
         with progress("comparing the two models' outputs"):
             err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
                                             args.compare, args.model)
@@ -212,7 +215,8 @@ def cmd_measure(args) -> int:
         print(f"{args.compare}: peak {other.peak_mib:.1f} MiB above rest, step {other.seconds * 1000:.1f} ms")
         print(f"peak ratio {_ratio(other.peak_above_rest, base.peak_above_rest)}, "
               f"time ratio {_ratio(other.seconds, base.seconds)}, "
-              f"largest relative output difference {err:.2e} ({where})")
+              f"largest relative output difference {err:.2e} ({where})"
+              + (": the graphs draw dropout masks, which differ from run to run" if draws else ""))
     if timeline_path is not None:
         from backends.onnx.timeline import timeline
         from backends.plots import timeline_plot

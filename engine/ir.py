@@ -162,6 +162,9 @@ class Graph:
     # The backend reshapes a chunk region's input, or its concatenated output, to a shape of
     # dynamic sizes (fx: from the graph's own SymInts); otherwise only static ones are planned.
     dynamic_reshapes: bool = False
+    # The backend promised the eager framework's random numbers (Inductor's `fallback_random`): a
+    # chunk region's slices may not draw random numbers of their own, which would be others.
+    eager_random: bool = False
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -261,7 +264,7 @@ class Graph:
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
                      dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.slicing,
-                     self.dynamic_reshapes)
+                     self.dynamic_reshapes, self.eager_random)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

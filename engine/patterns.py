@@ -294,6 +294,10 @@ class RuleSet:
             self._index = index
         return self._index
 
+    def is_random(self, node) -> bool:
+        """Whether the rule files declare `node`'s op (under its IR or its native name) nondeterministic."""
+        return node.op in self.nondeterministic or (node.native_op or "") in self.nondeterministic
+
     def rule(self, name: str) -> Rule | None:
         return next((r for r in self.rules if r.name == name), None)
 

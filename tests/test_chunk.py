@@ -551,6 +551,89 @@ def test_chunked_attention_runs_in_two_phases_and_matches_eager(tmp_path_factory
         assert relative_error(got, want) <= 1e-4
 
 
+class DropoutAttention(Attention):
+    """Attention with dropout on its probabilities (GPT-2's `attn_pdrop`); with `masks` set, the
+    dropout is those masks instead (eager's step under the masks a compiled step drew)."""
+
+    def __init__(self, d: int, heads: int, p: float = 0.25):
+        super().__init__(d, heads)
+        self.p = p
+        self.masks: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        att = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        att = F.dropout(att, self.p) if self.masks is None else att * self.masks / (1 - self.p)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return torch.tanh(self.out(y)).square().mean()
+
+
+def test_attention_chunks_through_inductors_dropout_keeping_the_masks_not_the_random_numbers(tmp_path,
+                                                                                           fresh_compiles):
+    """Inductor's dropout draws `rand(shape) > p` from the shape alone, whole, before the region;
+    the forward slices make the mask from those numbers and keep it (a byte a score) for the
+    backward slices, rather than keep the numbers (four bytes a score). Eager's step under the
+    masks the compiled step kept is the compiled step's, and no float score is kept for backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    b, heads, seq = 2, 2, 32
+    model = DropoutAttention(8, heads)
+    x = torch.randn(b, seq, 8)
+    path = tmp_path / "chunk_scores.rule"
+    path.write_text(ATTENTION_RULE.format(count=4))
+    remat = fx_backend.backend(rules=[path])
+    masks, floats = [], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4 and t.shape[-1] == seq:
+            (masks if t.dtype == torch.bool else floats).append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = torch.compile(model, backend=remat)(x)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    assert not floats, [t.shape for t in floats]        # no scores, probabilities or random numbers
+    mask = torch.cat(masks, dim=2)
+    assert mask.shape == (b, heads, seq, seq) and 0.5 < mask.float().mean() < 0.95
+    model.masks = mask
+    want_loss, want_grads, _ = training_step(model, model, (x,))
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
+def test_under_fallback_random_a_dropout_in_the_attention_is_not_sliced_and_the_step_is_eagers(tmp_path,
+                                                                                             fresh_compiles):
+    """Under Inductor's fallback_random the step draws eager's random numbers (ATen's native_dropout):
+    slices drawing masks of their own would draw others, so the region is refused, saying why,
+    and the step stays eager's seed for seed."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DropoutAttention(8, 2)
+    x = torch.randn(2, 32, 8)
+    path = tmp_path / "chunk_scores.rule"
+    path.write_text(ATTENTION_RULE.format(count=4))
+    remat = fx_backend.backend(rules=[path])
+    with inductor_config.patch(fallback_random=True):
+        torch.manual_seed(1)
+        loss, grads, _ = training_step(model, torch.compile(model, backend=remat), (x,))
+    torch.manual_seed(1)
+    want_loss, want_grads, _ = training_step(model, model, (x,))
+    assert remat.remat_pass.chunked == 0
+    reasons = [r.reason.message for r in remat.remat_pass.chunk_results[0].planning.refusals]
+    assert any("fallback_random" in why and "Dropout" in why for why in reasons), reasons
+    assert relative_error(loss, want_loss) <= 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 class AttentionLayers(nn.Module):
     """`layers` causal attention blocks with residuals (the same shapes in every layer), then a loss."""
 

@@ -12,11 +12,11 @@ from backends.onnx.exporter import export_model  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
 from backends.onnx.rewrite import apply_rules  # noqa: E402
 from backends.onnx.runtime import max_relative_error, run  # noqa: E402
-from backends.onnx.torch_export import export_training_step  # noqa: E402
+from backends.onnx.torch_export import errors_against_torch, export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 
 from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Attention, ChainHead,  # noqa: E402
-                        Head, HeadThen, LogitsAndLoss, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs,
+                        DropoutAttention, Head, HeadThen, LogitsAndLoss, LossHead, ShiftHead, SliceThen, SoftcapHead, _inputs,
                         _softcap_inputs)
 
 
@@ -59,6 +59,32 @@ def test_chunked_attention_in_onnx_runtime_runs_two_loops_and_matches_torch():
     error, where = max_relative_error(outputs, exported.reference)
     assert error <= 1e-4, where
 
+
+
+@pytest.mark.parametrize("unrolled", [False, True], ids=["loops", "unrolled"])
+def test_attention_with_dropout_keeps_the_masks_the_forward_loop_drew(unrolled):
+    """The attention's Dropout runs in the forward slices, each drawing its own mask; the masks
+    leave the forward Loop joined under the Dropout's mask name, and the backward Loop computes
+    the dropout again from them (std.ops's `replay Dropout`), so torch, drawing those masks,
+    computes the rewrite's loss and gradients."""
+    torch.manual_seed(0)
+    seq = 34
+    exported, rewrite, _ = _chunked(DropoutAttention(4, 2), (torch.randn(2, seq, 4),), ATTENTION_RULE, 3, unrolled)
+    assert rewrite.chunked == 1 and not rewrite.failures
+    [mask] = [n.outputs[1].name for n in import_model(exported.model).nodes if n.op == "Dropout"]
+    loops = [n for n in rewrite.graph.nodes if n.op == "Loop"]
+    drawn = [n for n in rewrite.graph.nodes if n.op == "Dropout"]
+    if unrolled:
+        assert not loops and len(drawn) == 3        # one per forward slice
+    else:
+        assert len(loops) == 4 and not drawn        # 2 phases x (slices of 12, of 10)
+        bodies = [[n.op for n in loop.subgraphs["body"].nodes] for loop in loops]
+        assert sorted(body.count("Dropout") for body in bodies) == [0, 0, 1, 1], bodies
+    whole = {o.name: o.dtype.name for n in rewrite.graph.nodes if n.op != "Loop" and not n.chunk_slice
+             for o in n.outputs if o.shape is not None and o.numel >= 2 * 2 * seq * seq}
+    assert whole == {mask: "BOOL"}, whole             # of the scores' size, only the joined masks
+    errors = errors_against_torch(exported, export_model(rewrite.graph))
+    assert max(errors.values()) <= 1e-4, errors
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx
+import torch._inductor.config as inductor_config
 
 from engine.dtypes import DType
 from engine.errors import GraphError
@@ -188,7 +189,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             # backends.fx.chunk runs a fixed count of slices whose sizes are SymInts, and writes the
             # shapes it reshapes to from the graph's own sizes (backends.fx.sizes)
             result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
-                           dynamic_reshapes=True)
+                           dynamic_reshapes=True, eager_random=bool(inductor_config.fallback_random))
             result.dim_examples = _dim_examples(graph)
             result.unite_sizes(size_facts(graph), smallest_sizes(graph))
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)

@@ -32,6 +32,7 @@ from engine.ir import Graph, Node, Value
 from engine.shapes import Dim, simplify
 from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
 from engine.strategies.chunk.kinds import int_param
+from engine.strategies.replay import instantiate
 
 from .formulas import DimEmitter
 
@@ -280,6 +281,13 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
     for node in phase.nodes:
         if id(node) in elided:
             env[id(node.outputs[0])] = env[id(node.inputs[0])]
+            continue
+        if id(node) in phase.replayed:      # a dropout again, from the mask the forward slices kept
+            bound = phase.replayed[id(node)]
+            y = bound.replayed
+            out = Value(names(f"{y.name}_slice"), y.dtype, _sliced_shape(region.shaped_like(y), region.meta_of(y), run))
+            g.nodes.extend(instantiate(bound, lambda v: env.get(id(v), v), names, out))
+            env[id(y)] = out
             continue
         m = region.meta_of(node.outputs[0])
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]

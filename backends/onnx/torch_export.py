@@ -438,17 +438,29 @@ def save(exported: ExportedStep, path: str | Path) -> Path:
     return path
 
 
-def _with_mask_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy of `model` whose Dropout masks are graph outputs too, and their names in node order."""
+def _with_mask_outputs(model: onnx.ModelProto, original: onnx.ModelProto | None = None
+                       ) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of `model` whose Dropout masks are graph outputs too, and their names, in the node
+    order of `original` (the exported step `model` rewrites; `model` itself where None): the order
+    torch draws them in. A Dropout a chunk region runs slice by slice has no node of its own in
+    the rewrite; the slices' masks, joined, keep its mask's name."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    produced = {o for n in copy.graph.node for o in n.output if o}
+    own = {n.name: n for n in copy.graph.node if n.op_type == "Dropout"}
     names = []
-    for k, node in enumerate(n for n in copy.graph.node if n.op_type == "Dropout"):
-        if len(node.output) < 2 or not node.output[1]:
-            del node.output[1:]
-            node.output.append(f"remat_dropout_mask_{k}")
-        names.append(node.output[1])
-        copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(node.output[1]))
+    for k, node in enumerate(n for n in (original or copy).graph.node if n.op_type == "Dropout"):
+        name = node.output[1] if len(node.output) > 1 else ""
+        if not name or name not in produced:
+            target = own.get(node.name)
+            if target is None:
+                raise RematError(f"the rewrite holds neither Dropout {node.name} nor its mask %{name}")
+            if len(target.output) < 2 or not target.output[1]:
+                del target.output[1:]
+                target.output.append(f"remat_dropout_mask_{k}")
+            name = target.output[1]
+        names.append(name)
+        copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
     return copy, names
 
 
@@ -461,7 +473,7 @@ def errors_against_torch(exported: ExportedStep, model: onnx.ModelProto | None =
     model = exported.model if model is None else model
     if exported.with_masks is None:
         return relative_errors(run(model, exported.feeds), exported.reference)
-    with_masks, masks = _with_mask_outputs(model)
+    with_masks, masks = _with_mask_outputs(model, exported.model)
     outputs = run(with_masks, exported.feeds)
     return relative_errors(outputs, exported.with_masks([outputs[m] for m in masks]))
 

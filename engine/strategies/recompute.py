@@ -135,7 +135,7 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
             return None
         if not analysis.is_forward(node):
             return Reason(action.location, f"%{value.name} is produced in backward by {node.name}")
-        if node.op in rules.nondeterministic or (node.native_op or "") in rules.nondeterministic:
+        if rules.is_random(node):
             return replay(node, value)
         if id(node) not in matched_ids and node.op not in recomputable and node.inputs:
             tier = rules.recomputable.get(node.op)

@@ -57,6 +57,7 @@ from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static, simplify
+from ..replay import BoundReplay, bind, replay_for
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, RefusedUnproven, attr_text, dim_map, norm_dim,
                     rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
@@ -238,6 +239,11 @@ class _Grower:
         if kind is None:
             raise Refused(f"{node.op} {node.name} is not declared chunkable (add it to a "
                           f"`chunkable KIND` line)")
+        if kind == "random" and self.graph.eager_random:
+            raise Refused(f"{node.op} {node.name} draws random numbers, and the backend promised eager's "
+                          f"(Inductor's fallback_random): slices drawing their own would draw others. "
+                          f"Without fallback_random, Inductor draws a dropout's mask from its shape alone, "
+                          f"before the region, and the region chunks")
         return kind
 
     def in_region(self, v: Value) -> bool:
@@ -709,16 +715,19 @@ class _Grower:
             return [o for n in members for o in n.outputs if id(o) in graph_outputs or id(o) in also
                     or any(id(u) not in region_ids for u in o.users)]
 
-        def phase(members: list[Node], recomputed: list[Node] = (), also: dict[int, Value] | None = None
-                  ) -> ChunkPhase:
+        def phase(members: list[Node], recomputed: list[Node] = (), also: dict[int, Value] | None = None,
+                  replayed: dict[int, BoundReplay] | None = None) -> ChunkPhase:
+            replayed = replayed or {}
             ids = {id(n) for n in members}
-            # what the region reads from outside, and what an earlier phase returned (below)
+            # what the region reads from outside, and what an earlier phase returned (below): a
+            # replayed node's kept outputs too, though the node is a member
+            kept_here = {id(v) for b in replayed.values() for v in b.saved}
             reads = {id(v): v for n in members for v in n.present_inputs()
                      if (id(v) in self.inputs or self.in_region(v))
-                     and (v.producer is None or id(v.producer) not in ids)}
+                     and (v.producer is None or id(v.producer) not in ids or id(v) in kept_here)}
             ins = sorted(reads.values(), key=lambda v: self.position.get(id(v.producer), -1))
             return ChunkPhase(members, ins, outputs([n for n in members if n not in recomputed], also or {}),
-                              list(recomputed))
+                              list(recomputed), replayed)
 
         # The backward phase: what reads the late inputs, and what reads the incoming gradient any
         # other way (a loss beside the region's own output: z-loss reads logsumexp(logits) and
@@ -741,11 +750,31 @@ class _Grower:
         backward_ids = {id(n) for n in backward}
         needed: dict[int, Node] = {}
         kept: dict[int, Value] = {}
+        replayed: dict[int, BoundReplay] = {}
         stack = [v for n in backward for v in n.present_inputs()]
         while stack:
             v = stack.pop()
             p = v.producer
-            if p is None or id(p) in backward_ids or id(p) in needed or id(p) not in region_ids:
+            if p is None or id(p) in backward_ids or id(p) not in region_ids:
+                continue
+            if self.rules.is_random(p):
+                # A dropout: the backward slices must see the forward's random values, so the
+                # forward phase keeps the outputs that hold them (the mask, a byte a score) and
+                # the backward slices compute the rest again from those (its `replay`).
+                bound = self.replay(p, v)
+                kept.update((id(s), s) for s in bound.saved)
+                if v is bound.replayed and id(p) not in needed:
+                    needed[id(p)] = p
+                    replayed[id(p)] = bound
+                    stack.extend(bound.inputs)
+                continue
+            if id(p) in needed:
+                continue
+            if self.from_random_numbers(p, v):
+                # Inductor's dropout, `rand(shape) > p`, its random numbers drawn whole before the
+                # region: the mask the forward slices made from them is kept (a byte a score),
+                # not made again from the numbers (four bytes a score, kept for it).
+                kept[id(v)] = v
                 continue
             if id(v) in graph_outputs:
                 # The step returns it (nanoGPT's logits): it exists whole once the forward phase
@@ -761,7 +790,30 @@ class _Grower:
             stack.extend(p.present_inputs())
         recomputed = [n for n in forward if id(n) in needed]
         return [phase(forward, also=kept),
-                phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]), recomputed)]
+                phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]), recomputed,
+                      replayed=replayed)]
+
+    def from_random_numbers(self, node: Node, v: Value) -> bool:
+        """Whether the region node `node` makes `v` from random numbers drawn outside the region
+        that are at least as large as `v`: keeping `v` between the phases costs less than
+        keeping those numbers to make it again."""
+        drawn = [x for x in node.present_inputs() if id(x) in self.inputs and x.producer is not None
+                 and self.rules.is_random(x.producer)]
+        return v.nbytes is not None and any(x.nbytes is not None and self._bytes(x) >= self._bytes(v) for x in drawn)
+
+    def replay(self, node: Node, read: Value) -> BoundReplay:
+        """How the backward slices compute `read`, an output of the random `node` the forward
+        slices ran: from the outputs its replay keeps. Refused where the rules declare none."""
+        declared = replay_for(self.rules, node)
+        bound = bind(declared, node) if declared is not None else (
+            f"no `replay` declaration for {node.op} says how to run it again from what it drew")
+        if isinstance(bound, str):
+            raise Refused(f"{node.op} {node.name} draws random numbers in the forward slices, which the "
+                          f"backward slices read (%{read.name}): {bound}")
+        if read is not bound.replayed and all(read is not s for s in bound.saved):
+            raise Refused(f"{node.op} {node.name}: the backward slices read %{read.name}, which its replay "
+                          f"neither keeps nor computes again")
+        return bound
 
     def row_statistic(self, v: Value) -> bool:
         """Whether `v` is small next to the amplified value (at most 1/ROW_STATISTIC of it) and

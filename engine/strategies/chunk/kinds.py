@@ -50,6 +50,10 @@ CHUNK_KINDS = {
                 "NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss): those dims are kept (reduction none) "
                 "or summed; a mean runs as a sum in each slice, divided by the total weight of every "
                 "slice's targets; a second output (SoftmaxCrossEntropyLoss's log_prob) has the input's dims",
+    "random": "an elementwise op on its first input that draws a random value per element (Dropout): "
+              "each output (its result, its mask) has the input's dims, each slice draws its own; a "
+              "region's backward slices replay it from the random values its kept output holds (std.ops's "
+              "`replay`), never draw again",
     "norm": "a normalization over the dims from `axis` on (LayerNormalization): the dims before it are "
             "carried, to its statistics outputs (mean, inverse deviation) too; the others cannot be sliced",
 }
@@ -336,6 +340,9 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         if len(inputs) > 2:     # Gemm's C, broadcast to the output: added once, so never a partial sum
             return DimMap([ma, mb, _broadcast(inputs[2], out, rank)], blocked=set(contracted))
         return DimMap([ma, mb], summed=[contracted])
+    if kind == "random":        # the ratio and mode operands are scalars: they carry no dim
+        same = _broadcast(inputs[0], out, rank)
+        return DimMap([same], extra_outputs=[dict(same) for _ in node.outputs[1:]])
     if kind == "norm":
         r = rank_of(inputs[0])
         axis = norm_dim(int(_param(node, "axis") if _param(node, "axis") is not None else -1), r)

@@ -12,6 +12,7 @@ from ...ir import Node, SliceSizes, Value
 from ...matcher import Match
 from ...plan_type import PlanType
 from ...shapes import simplify
+from ..replay import BoundReplay
 from .kinds import Refused
 
 
@@ -164,6 +165,11 @@ class ChunkPhase:
     inputs: list[Value]                         # read from outside the phase
     outputs: list[Value]                        # read outside the region
     recomputed: list[Node] = field(default_factory=list)   # an earlier phase's nodes, run again here
+    # Of those, the random ones (a Dropout), by node id: an earlier phase kept the outputs that hold
+    # their random values (the mask), and the builder writes each one's replay template
+    # (engine.strategies.replay.instantiate) in its place, so the slices never draw again. Those kept
+    # outputs are among `inputs`, though the node is in `nodes`.
+    replayed: dict[int, BoundReplay] = field(default_factory=dict)
 
 
 def phase_outputs(phases: list[ChunkPhase]) -> list[Value]:
