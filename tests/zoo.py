@@ -978,7 +978,9 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     the scores are a MatMul written out in fp32 (16 MiB): SDPA and nn.MultiheadAttention hide
     them in one op, baddbmm is not a MatMul, and bfloat16 scores are 8 MiB (scores changed in
     place, div_, masked_fill_, +=, reach the softmax through copies into new_empty_strided
-    buffers, which backends.fx.normalize writes as clones). With dynamic=True, the loss chunk (a fixed count of slices of symbolic
+    buffers, which backends.fx.normalize writes as clones), unless a dropout of p > 0 draws on the
+    probabilities: the zoo compiles under fallback_random, which promises eager's masks, and
+    slices would draw others, so the region is refused (Graph.eager_random). With dynamic=True, the loss chunk (a fixed count of slices of symbolic
     sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
     and the targets' sizes of the second graph apart, and the loss's guard that their row
     counts are equal unites them: engine.shapes.united_sizes), except for the hand-written
@@ -996,7 +998,9 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     # whole batch rows (BATCH is 2); ce_hand's gradient is a scatter_add into zeros.
     if variant.returns == "loss":
         rules.append("chunk_linear_cross_entropy")
-    if variant.scale not in ("sdpa", "baddbmm", "nn_mha") and variant.precision in ("fp32", "softmax_dtype"):
+    drawn = variant.dropout and variant.dropout_p > 0
+    if variant.scale not in ("sdpa", "baddbmm", "nn_mha") and variant.precision in ("fp32", "softmax_dtype") \
+            and not drawn:
         rules.append("chunk_attention_scores")
     return tuple(rules)
 
