@@ -505,6 +505,13 @@ rule chunk_scores {{
 """
 
 
+def _attention_backend(folder, count: int):
+    """The remat backend with ATTENTION_RULE alone, its scores in `count` slices."""
+    path = folder / "chunk_scores.rule"
+    path.write_text(ATTENTION_RULE.format(count=count))
+    return fx_backend.backend(rules=[path])
+
+
 class Attention(nn.Module):
     """Causal self-attention written out (scores, mask, softmax, weighted sum), then a loss
     that reads the output through another layer, so the region's backward needs a gradient
@@ -536,9 +543,7 @@ def test_chunked_attention_runs_in_two_phases_and_matches_eager(tmp_path_factory
     model = Attention(4, heads)
     x = torch.randn(2, seq, 4)
     eager_loss, eager_grads, eager_saved = training_step(model, model, (x,))
-    path = tmp_path_factory.mktemp("r") / "chunk_scores.rule"
-    path.write_text(ATTENTION_RULE.format(count=chunks))
-    remat = fx_backend.backend(rules=[path])
+    remat = _attention_backend(tmp_path_factory.mktemp("r"), chunks)
     loss, grads, saved = training_step(model, torch.compile(model, backend=remat), (x,))
     assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
     [region] = remat.remat_pass.chunk_results[0].chunks
@@ -581,9 +586,7 @@ def test_attention_chunks_through_inductors_dropout_keeping_the_masks_not_the_ra
     b, heads, seq = 2, 2, 32
     model = DropoutAttention(8, heads)
     x = torch.randn(b, seq, 8)
-    path = tmp_path / "chunk_scores.rule"
-    path.write_text(ATTENTION_RULE.format(count=4))
-    remat = fx_backend.backend(rules=[path])
+    remat = _attention_backend(tmp_path, 4)
     masks, floats = [], []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -618,9 +621,7 @@ def test_under_fallback_random_a_dropout_in_the_attention_is_not_sliced_and_the_
     torch.manual_seed(0)
     model = DropoutAttention(8, 2)
     x = torch.randn(2, 32, 8)
-    path = tmp_path / "chunk_scores.rule"
-    path.write_text(ATTENTION_RULE.format(count=4))
-    remat = fx_backend.backend(rules=[path])
+    remat = _attention_backend(tmp_path, 4)
     with inductor_config.patch(fallback_random=True):
         torch.manual_seed(1)
         loss, grads, _ = training_step(model, torch.compile(model, backend=remat), (x,))
@@ -677,9 +678,7 @@ def test_regions_of_every_layer_are_planned_once_and_share_their_compiled_bodies
     model = AttentionLayers(8, 2, 3)
     x = torch.randn(2, 32, 8)
     eager_loss, eager_grads, _ = training_step(model, model, (x,))
-    path = tmp_path / "chunk_scores.rule"
-    path.write_text(ATTENTION_RULE.format(count=4))
-    remat = fx_backend.backend(rules=[path])
+    remat = _attention_backend(tmp_path, 4)
     with inductor_config.patch(joint_custom_post_pass=inspect):
         loss, grads, _ = training_step(model, torch.compile(model, backend=remat), (x,))
     assert remat.remat_pass.chunked == 3

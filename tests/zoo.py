@@ -980,8 +980,8 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     place, div_, masked_fill_, +=, reach the softmax through copies into new_empty_strided
     buffers, which backends.fx.normalize writes as clones), unless a dropout of p > 0 draws on the
     probabilities: the zoo compiles under fallback_random, which promises eager's masks, and
-    slices would draw others, so the region is refused (Graph.eager_random). With dynamic=True, the loss chunk (a fixed count of slices of symbolic
-    sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
+    slices would draw others, so the region is refused (Graph.eager_random). With dynamic=True,
+    the loss chunk (a fixed count of slices of symbolic sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
     and the targets' sizes of the second graph apart, and the loss's guard that their row
     counts are equal unites them: engine.shapes.united_sizes), except for the hand-written
     loss, whose `gather` never asks the two sizes to be equal, so they stay two symbols once

@@ -278,16 +278,19 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
                            _sliced_shape(shaped, m, run))
     elided = {id(n) for n in region.elided}
+
+    def sliced(o: Value) -> Value:
+        """A new value for one slice of the region value `o`."""
+        return Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(region.shaped_like(o), region.meta_of(o), run))
+
     for node in phase.nodes:
         if id(node) in elided:
             env[id(node.outputs[0])] = env[id(node.inputs[0])]
             continue
         if id(node) in phase.replayed:      # a dropout again, from the mask the forward slices kept
             bound = phase.replayed[id(node)]
-            y = bound.replayed
-            out = Value(names(f"{y.name}_slice"), y.dtype, _sliced_shape(region.shaped_like(y), region.meta_of(y), run))
+            env[id(bound.replayed)] = out = sliced(bound.replayed)
             g.nodes.extend(instantiate(bound, lambda v: env.get(id(v), v), names, out))
-            env[id(y)] = out
             continue
         m = region.meta_of(node.outputs[0])
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
@@ -297,8 +300,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         attrs = dict(node.attrs)
         if node.op in _SHIFTS and m.dim is not None:
             _SHIFTS[node.op](g, node, region, run, inputs, attrs)
-        outs = [Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(region.shaped_like(o), region.meta_of(o), run))
-                for o in node.outputs]
+        outs = [sliced(o) for o in node.outputs]
         written = outs
         if id(node) in divisors:
             attrs["reduction"] = "sum"
