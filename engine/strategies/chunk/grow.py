@@ -212,6 +212,9 @@ class _Grower:
         self.dtype_reads: set[int] = set()     # inputs read so far only for their type (read_outside)
         self.nonlinear: Refused | None = None  # why the incoming gradient cannot be applied once
         self.means: list[Node] = []            # averaging nodes whose slices sum (DimMap.mean)
+        # ids of values the forward phase keeps because they hold what a dropout drew (its mask):
+        # the step keeps them whole without the region too, so they may be large (phases)
+        self.drawn: set[int] = set()
         root_out = match.root.outputs[0]
         self.threshold = self._bytes(root_out) / LARGE_FRACTION
         self.tangent_ids = self.index.tangent_ids
@@ -584,7 +587,7 @@ class _Grower:
             m = self.meta[id(v)]
             if m.dim is None and not m.need_sum:
                 raise Refused(f"%{v.name} leaves the region neither sliced nor summed")
-            if m.dim is not None and self.large(v) and id(v) not in self.index.returned:
+            if m.dim is not None and self.large(v) and id(v) not in self.index.returned and id(v) not in self.drawn:
                 raise Refused(f"%{v.name} ({v.producer.op} {v.producer.name}) is large and read outside "
                               f"the region, so it would be built whole anyway")
         # A large value the step returns (nanoGPT's logits beside the loss) is built whole in any
@@ -763,6 +766,7 @@ class _Grower:
                 # the backward slices compute the rest again from those (its `replay`).
                 bound = self.replay(p, v)
                 kept.update((id(s), s) for s in bound.saved)
+                self.drawn.update(id(s) for s in bound.saved)
                 if v is bound.replayed and id(p) not in needed:
                     needed[id(p)] = p
                     replayed[id(p)] = bound
@@ -775,6 +779,7 @@ class _Grower:
                 # region: the mask the forward slices made from them is kept (a byte a score),
                 # not made again from the numbers (four bytes a score, kept for it).
                 kept[id(v)] = v
+                self.drawn.add(id(v))
                 continue
             if id(v) in graph_outputs:
                 # The step returns it (nanoGPT's logits): it exists whole once the forward phase
