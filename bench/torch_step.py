@@ -11,6 +11,10 @@ compared with eager. The estimate column is backends.fx.peak's model of the peak
 computed on the graphs the partitioner returned in the timed process (a fresh Inductor cache per
 run makes it compile there, and the first step's time less a step's is the compile time). Prints
 the table, then the remat/compile peak ratio last (with --json, then the rows as JSON).
+`--dropout P`: dropout in training mode (the GPT-like model's, on the attention probabilities
+and after each block; nanoGPT's config's). Compiled configurations then draw Inductor's random
+numbers, seed for seed alike, and eager ATen's: the errors are against `compile` (eager and
+checkpoint, which draw others, get none).
 
     python bench/torch_step.py [--vocab 4096 --batch 8] [--device cuda]
     python bench/torch_step.py --nanogpt ~/nanoGPT/model.py --vocab 50304 --configs eager compile remat
@@ -71,7 +75,7 @@ def hand_chunked_loss(chunks: int):
 
 def nanogpt(args):
     """nanoGPT's own GPT (its model.py, given by --nanogpt) at this run's sizes: SDPA attention,
-    tied head, forward returns (logits, loss) with ignore_index=-1, no dropout."""
+    tied head, forward returns (logits, loss) with ignore_index=-1, dropout --dropout."""
     import importlib.util
 
     import torch
@@ -81,7 +85,7 @@ def nanogpt(args):
     spec.loader.exec_module(module)
     torch.manual_seed(0)
     return module.GPT(module.GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=args.layers,
-                                       n_head=args.heads, n_embd=args.d_model, dropout=0.0, bias=True))
+                                       n_head=args.heads, n_embd=args.d_model, dropout=args.dropout, bias=True))
 
 
 def child(name: str, args) -> dict:
@@ -98,7 +102,7 @@ def child(name: str, args) -> dict:
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
                     heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift,
-                    return_logits=args.return_logits)
+                    return_logits=args.return_logits, dropout=args.dropout)
     model = (nanogpt(args) if args.nanogpt else gpt(cfg)).to(device)
     inputs = [t.to(device) for t in gpt(cfg).example_inputs()]
     if name == "checkpoint":
@@ -236,6 +240,7 @@ def main() -> None:
                           ("seq", 512), ("threads", 2), ("repeats", 3), ("timeout", 1200)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout probability (training mode)")
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--label-shift", action="store_true",
                     help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
@@ -319,20 +324,24 @@ def main() -> None:
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
         row["estimate"], row["compile_seconds"] = estimates.get(name, (None, None))
-    ref = torch.load(args.out / "eager.pt") if "eager" in rows else None
+    # With dropout, eager draws ATen's random numbers and the compiled steps Inductor's: compare
+    # those with compile's, which draws the same numbers from the same seed.
+    reference = "compile" if args.dropout else "eager"
+    ref = torch.load(args.out / f"{reference}.pt") if reference in rows else None
     base = rows.get("compile")
     unit = "MiB (max_memory_allocated)" if args.device.startswith("cuda") else "MiB (process VmHWM)"
     model_name = "nanoGPT" if args.nanogpt else "GPT-like"
     print(f"{model_name}: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
           f"seq {args.seq}, {'SDPA' if args.nanogpt else args.attention} attention"
           f"{', label shift' if args.label_shift else ''}{', returns (logits, loss)' if args.return_logits else ''}"
-          f"{', length dynamic (a shorter first batch)' if args.vary_length else ''}; "
+          f"{', length dynamic (a shorter first batch)' if args.vary_length else ''}"
+          f"{f', dropout {args.dropout}' if args.dropout else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
-          f"{'max rel err vs eager':>22}{'est.':>9}{'est/meas':>10}")
+          f"{'max rel err vs ' + reference:>22}{'est.':>9}{'est/meas':>10}")
     for name, r in rows.items():
         err = ""
-        if ref is not None:
+        if ref is not None and not (args.dropout and name in ("eager", "checkpoint")):
             got = torch.load(args.out / f"{name}.pt")
             pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
             r["error"] = max(relative_error(a, b) for a, b in pairs)

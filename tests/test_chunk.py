@@ -618,6 +618,44 @@ def test_attention_chunks_through_inductors_dropout_keeping_the_masks_not_the_ra
         assert relative_error(got, want) <= tolerance
 
 
+class SDPADropoutAttention(Attention):
+    """nanoGPT's attention: `F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)`.
+    On the CPU no fused kernel draws dropout, so torch runs SDPA's math path: scores, a
+    `_safe_softmax` (a row wholly masked is zeros, found with `any` over the row) and Inductor's
+    dropout, all of them in the joint graph."""
+
+    def __init__(self, d: int, heads: int, p: float = 0.25):
+        super().__init__(d, heads)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
+        return torch.tanh(self.out(y.transpose(1, 2).reshape(b, t, d))).square().mean()
+
+
+def test_sdpa_with_dropout_on_cpu_chunks_its_math_path_and_is_inductors_step_seed_for_seed(tmp_path,
+                                                                                            fresh_compiles):
+    """SDPA's math path reduces each row with `any` (ATen's any.dim, declared a `reduce` kind, as
+    ReduceMax is): the region grows through it (refused before: "aten::any ... is not declared
+    chunkable"), and the step is plain Inductor's, random numbers included."""
+    torch.manual_seed(0)
+    model = SDPADropoutAttention(8, 2)
+    x = torch.randn(2, 32, 8)
+    remat = _attention_backend(tmp_path, 4)
+    steps = []
+    for backend in ("inductor", remat):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        steps.append(training_step(model, torch.compile(model, backend=backend), (x,)))
+    (want_loss, want_grads, _), (loss, grads, _) = steps
+    assert remat.remat_pass.chunked == 1, remat.remat_pass.chunk_results[0].report()
+    assert relative_error(loss, want_loss) <= 1e-6
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got, want) <= 1e-4
+
+
 def test_under_fallback_random_a_dropout_in_the_attention_is_not_sliced_and_the_step_is_eagers(tmp_path,
                                                                                              fresh_compiles):
     """Under Inductor's fallback_random the step draws eager's random numbers (ATen's native_dropout):

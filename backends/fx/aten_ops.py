@@ -19,7 +19,7 @@ ATEN_TO_ONNX = {
     "transpose": "Transpose", "t": "Transpose", "expand": "Expand", "split_with_sizes": "Split",
     "split": "Split", "slice": "Slice", "cat": "Concat", "embedding": "Gather",
     "_softmax": "Softmax", "_log_softmax": "LogSoftmax", "native_layer_norm": "LayerNormalization",
-    "_to_copy": "Cast", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax",
+    "_to_copy": "Cast", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax", "amin": "ReduceMin",
     # Random ops: ONNX's names, which std.ops declares nondeterministic. native_dropout(x, p, train)
     # is ONNX's Dropout(x, ratio, training_mode), (y, mask) both; the importer makes it Dropout only
     # in training mode, and folds Inductor's decomposition of it (rand, gt, mul, mul) back into one.
@@ -33,7 +33,8 @@ ATTRIBUTE_ARGS = {
     "_softmax": {1: "axis"}, "_log_softmax": {1: "axis"}, "gather": {1: "axis"}, "scatter": {1: "axis"},
     "scatter_add": {1: "axis"},
     "permute": {1: "perm"}, "sum": {1: "axes", 2: "keepdims"}, "mean": {1: "axes", 2: "keepdims"},
-    "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
+    "amax": {1: "axes", 2: "keepdims"}, "amin": {1: "axes", 2: "keepdims"}, "any": {1: "axes", 2: "keepdims"},
+    "all": {1: "axes", 2: "keepdims"}, "unsqueeze": {1: "axes"},
     "squeeze": {1: "axes"}, "full": {0: "shape", 1: "value"}, "scalar_tensor": {0: "value"},
     "full_like": {1: "value"}, "native_dropout": {2: "training_mode"},
     "slice": {1: "axes", 2: "starts", 3: "ends", 4: "steps"},
@@ -86,7 +87,9 @@ def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:
     return out
 
 
-REDUCTIONS = {"sum", "mean", "amax", "amin"}
+# Reductions: ONNX's conventions for their `axes` and `keepdims`. ATen's any and all (a row fully
+# masked: `_safe_softmax` in SDPA's math path) keep their names; ONNX has no boolean reduction.
+REDUCTIONS = {"sum", "mean", "amax", "amin", "any", "all"}
 _END = 2**63 - 1        # ATen's and ONNX's "to the end" of a slice
 # A slice's parameters by their ONNX and ATen names, and ATen's defaults for them.
 _SLICE_NAMES = (("axes", "dim"), ("starts", "start"), ("ends", "end"), ("steps", "step"))
