@@ -106,6 +106,10 @@ TRAINS = ("full",           # every parameter trained
           "lora",           # LoRA fine-tuning (PEFT): every parameter frozen, rank-8 adapters beside
                             # the blocks' Linear layers the only ones trained
           "frozen_embed")   # the token and position embeddings frozen (tied: the head's weight too)
+RANDOMS = ("eager",         # Inductor's fallback_random: compiled steps draw eager's random numbers,
+                            # and are compared with eager's steps
+           "inductor")      # Inductor's own random numbers (what users run): remat's steps are compared
+                            # with plain Inductor's, which draws the same numbers seed for seed
 RETURNS = ("loss",          # forward returns the loss
            "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output,
                             # and the step gives them a gradient of their own too (_step)
@@ -115,7 +119,7 @@ SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "
             "heads": HEADS, "rope": (False, True), "bias": (True, False), "dropout": (False, True),
             "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
-            "logits": LOGITS, "returns": RETURNS, "train": TRAINS, "graph_break": (False, True), "checkpoint": (False, True),
+            "logits": LOGITS, "returns": RETURNS, "random": RANDOMS, "train": TRAINS, "graph_break": (False, True), "checkpoint": (False, True),
             "dynamic": (False, True)}
 
 # Loss and gradient tolerance (max |got - want| / max |want|). fp32: 1e-4, the issue's bar.
@@ -148,6 +152,7 @@ class Variant:
     loss: str = "ce_mean"
     logits: str = "linear_module"
     returns: str = "loss"
+    random: str = "eager"           # whose random numbers the compiled steps draw (RANDOMS)
     train: str = "full"             # which parameters require a gradient (TRAINS)
     graph_break: bool = False       # torch._dynamo.graph_break() between the blocks and the head
     checkpoint: bool = False        # each block through torch.utils.checkpoint (use_reentrant=False)
@@ -802,16 +807,18 @@ def _steps(module, model, batches) -> list[tuple[torch.Tensor, dict[str, torch.T
     return out
 
 
-def _compiled_steps(model, batches, backend, dynamic: bool):
+def _compiled_steps(model, batches, backend, dynamic: bool, eager_random: bool = True):
     """The steps through torch.compile(model, backend): Inductor's caches off (the
     fresh_compiles fixture of tests/conftest.py), so remat's pass runs whatever an earlier run
-    cached; emulate_precision_casts, so Inductor rounds fp16/bf16 casts where eager does."""
+    cached; emulate_precision_casts, so Inductor rounds fp16/bf16 casts where eager does;
+    `eager_random`: fallback_random, eager's random numbers (else Inductor's own)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
     try:
-        with inductor_config.patch(fx_graph_cache=False, emulate_precision_casts=True, fallback_random=True), \
+        with inductor_config.patch(fx_graph_cache=False, emulate_precision_casts=True,
+                                 fallback_random=eager_random), \
                 functorch_config.patch(enable_autograd_cache=False):
             return _steps(torch.compile(model, backend=backend, dynamic=dynamic or None), model, batches)
     finally:
@@ -832,7 +839,9 @@ def _errors(got, want) -> tuple[float, float, str]:
 
 def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> ZooResult:
     """Two training steps (the example inputs, then new ones: another length where dynamic)
-    eager and through one torch.compile with remat (strict), compared; rules counted.
+    eager and through one torch.compile with remat (strict), compared; rules counted. With
+    `variant.random == "inductor"` the compiled steps draw Inductor's random numbers, and the
+    reference is plain Inductor's steps, which draw the same ones (eager's are others).
     `tiers`: None for the variant's own. `baseline`: also compile with plain Inductor and
     record its errors against eager; None: only for a low-precision variant (bf16, autocast,
     fp16) whose remat errors exceed its tolerance, which then passes if they are within 2x of
@@ -844,14 +853,24 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
 
     model, inputs = build(variant)
     batches = [inputs, second_inputs(variant)]
-    eager = _steps(model, model, batches)
+    eager_random = variant.random == "eager"
+    if eager_random:
+        eager = _steps(model, model, batches)
+    else:
+        try:
+            eager = _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random=False)
+        except Exception as err:        # noqa: BLE001 - torch's failure, not remat's
+            inner = _innermost(err)
+            res.torch_error = f"{type(inner).__name__}: {str(inner).strip()[:300]}"
+            return res
+        model.zero_grad(set_to_none=True)
 
     backend = None
     try:
         backend, res.strict = make_backend(tiers, variant.config)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            compiled = _compiled_steps(model, batches, backend, variant.dynamic)
+            compiled = _compiled_steps(model, batches, backend, variant.dynamic, eager_random)
         res.compiled = True
         res.warnings = sorted({str(w.message).splitlines()[0][:300] for w in caught
                                if "remat" in str(w.message) or "chunk" in str(w.message)})
@@ -865,7 +884,7 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
     if not res.compiled and res.strict:
         # Is it torch's failure rather than remat's? The same steps with plain Inductor.
         try:
-            _compiled_steps(model, batches, "inductor", variant.dynamic)
+            _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random)
         except Exception as err:        # noqa: BLE001
             inner = _innermost(err)
             res.torch_error = f"{type(inner).__name__}: {str(inner).strip()[:300]}"
@@ -878,7 +897,7 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
     if res.compiled:
         res.loss_err, res.grad_err, res.worst_grad = _errors(compiled, eager)
     low_precision = variant.model == "conv" or (variant.model == "gpt" and variant.precision in LOW_PRECISION)
-    if baseline or (baseline is None and low_precision and res.compiled and not res.within):
+    if eager_random and (baseline or (baseline is None and low_precision and res.compiled and not res.within)):
         plain = _compiled_steps(model, batches, "inductor", variant.dynamic)
         res.base_loss_err, res.base_grad_err, _ = _errors(plain, eager)
         res.base_tolerance = low_precision
@@ -921,6 +940,11 @@ FIXED: list[Variant] = [
     # its kept mask (recompute_dropout), the masks the same as eager's (fallback_random, seeded).
     V("gpt_dropout_train", dropout=True, dropout_p=0.1, tiers=("expensive",),
       expect=("recompute_dropout",)),
+    # The same dropout with Inductor's own random numbers, as users compile: the attention chunk
+    # runs through the dropout, its forward slices keep the masks they make from the numbers
+    # drawn before the region; remat's steps are plain Inductor's, seed for seed.
+    V("gpt_dropout_inductor_random", dropout=True, dropout_p=0.1, random="inductor",
+      expect=CHUNKS + ("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
       expect=("chunk_linear_cross_entropy", "recompute_norm", "recompute_activation")),
@@ -979,8 +1003,8 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     them in one op, baddbmm is not a MatMul, and bfloat16 scores are 8 MiB (scores changed in
     place, div_, masked_fill_, +=, reach the softmax through copies into new_empty_strided
     buffers, which backends.fx.normalize writes as clones), unless a dropout of p > 0 draws on the
-    probabilities: the zoo compiles under fallback_random, which promises eager's masks, and
-    slices would draw others, so the region is refused (Graph.eager_random). With dynamic=True,
+    probabilities under fallback_random (random="eager"), which promises eager's masks: slices
+    would draw others, so the region is refused (Graph.eager_random). With dynamic=True,
     the loss chunk (a fixed count of slices of symbolic sizes) where the loss is one it takes, after a graph break too (Dynamo names the tokens'
     and the targets' sizes of the second graph apart, and the loss's guard that their row
     counts are equal unites them: engine.shapes.united_sizes), except for the hand-written
@@ -998,7 +1022,7 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     # whole batch rows (BATCH is 2); ce_hand's gradient is a scatter_add into zeros.
     if variant.returns == "loss":
         rules.append("chunk_linear_cross_entropy")
-    drawn = variant.dropout and variant.dropout_p > 0
+    drawn = variant.dropout and variant.dropout_p > 0 and variant.random == "eager"
     if variant.scale not in ("sdpa", "baddbmm", "nn_mha") and variant.precision in ("fp32", "softmax_dtype") \
             and not drawn:
         rules.append("chunk_attention_scores")
