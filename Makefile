@@ -18,9 +18,10 @@ demo: $(STAMP)
 	$(VENV)/bin/remat demo
 
 # The suite, and every shipped rule property-tested on both backends by remat's pytest plugin
-# (engine.testing.plugin), derandomized; a file per worker, one worker per core (pytest-xdist).
+# (engine.testing.plugin), derandomized; a file per worker, one worker per core (pytest-xdist),
+# the longest files first (tests/conftest.py LONGEST_FIRST).
 test: $(STAMP)
-	$(PY) -m pytest --remat-rules rules --remat-profile ci -n auto --dist loadfile
+	$(PY) -m pytest --remat-rules rules --remat-profile ci -n auto --dist loadfile --no-loadscope-reorder
 
 check: $(STAMP)
 	$(VENV)/bin/remat check rules/

@@ -17,6 +17,21 @@ settings.register_profile("dev", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# The files that take longest on 2 CPU cores (Inductor compiles), longest first. `make test`
+# hands whole files to its workers (--dist loadfile) in collection order (--no-loadscope-reorder:
+# xdist would otherwise order them by their number of tests, which put the few-test, long files,
+# the zoo's, last, and one worker ran them alone while the other sat idle). Longest first, the
+# last files handed out are the short ones. A file not listed keeps its place after these.
+LONGEST_FIRST = ("test_zoo.py", "test_chunk.py", "test_fx_dynamic.py", "test_fx_backend.py",
+                 "test_torch_peak.py", "test_hf_models.py", "test_zoo_random.py", "test_onnx_chunk.py",
+                 "test_data_parallel.py", "test_pipeline_run.py", "test_fx_properties.py",
+                 "test_fuzz_rules.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture
 def fresh_compiles():

@@ -119,8 +119,8 @@ SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "
             "heads": HEADS, "rope": (False, True), "bias": (True, False), "dropout": (False, True),
             "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
-            "logits": LOGITS, "returns": RETURNS, "random": RANDOMS, "train": TRAINS, "graph_break": (False, True), "checkpoint": (False, True),
-            "dynamic": (False, True)}
+            "logits": LOGITS, "returns": RETURNS, "random": RANDOMS, "train": TRAINS,
+            "graph_break": (False, True), "checkpoint": (False, True), "dynamic": (False, True)}
 
 # Loss and gradient tolerance (max |got - want| / max |want|). fp32: 1e-4, the issue's bar.
 # bfloat16 variants: eager and Inductor round bf16 intermediates at different places (Inductor
