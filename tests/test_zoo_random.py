@@ -1,6 +1,7 @@
 """The zoo's random mixes (tests/zoo.py): Variants drawn from every switch, compiled with
 backend=remat in strict mode, must compile and match eager, and fire the rules their switches
-imply (zoo.implied_rules). Two compiles, about 2 minutes on 2 CPU cores."""
+imply (zoo.implied_rules). Two mixes a run (derandomized in CI: the same two each run; `python
+bench/zoo.py --hypothesis N --seed S` draws N more), about 2 minutes on 2 CPU cores."""
 import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
@@ -37,7 +38,7 @@ variants = st.builds(
 )
 
 
-# Two compiles (10-20 s each), after replaying examples that failed before (Hypothesis's
+# Two mixes (a compile or two each, 10-100 s), after replaying examples that failed before (Hypothesis's
 # database); no shrinking, which would compile again and again: the failing Variant is
 # printed whole, and `python bench/zoo.py` reruns FIXED in subprocesses.
 @settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],

@@ -936,14 +936,13 @@ FIXED: list[Variant] = [
     # fire (baddbmm is not a MatMul). The loss chunk does: the returned logits leave it whole,
     # in two phases (the logits' incoming gradient joins the loss's in the backward slices), and
     # the hand-written log-softmax, recompute_softmax's before, runs in its slices.
-    # Dropout switched on (0.1, HF's default): each dropout output is replayed in backward from
-    # its kept mask (recompute_dropout), the masks the same as eager's (fallback_random, seeded).
-    V("gpt_dropout_train", dropout=True, dropout_p=0.1, tiers=("expensive",),
-      expect=("recompute_dropout",)),
-    # The same dropout with Inductor's own random numbers, as users compile: the attention chunk
-    # runs through the dropout, its forward slices keep the masks they make from the numbers
-    # drawn before the region; remat's steps are plain Inductor's, seed for seed.
-    V("gpt_dropout_inductor_random", dropout=True, dropout_p=0.1, random="inductor",
+    # Dropout switched on (0.1, HF's default), drawn with Inductor's own random numbers, as users
+    # compile: the attention chunk runs through the dropout (its forward slices keep the masks they
+    # make from the numbers drawn before the region), and each other dropout output is replayed in
+    # backward from its kept mask (recompute_dropout); remat's steps are plain Inductor's, seed for
+    # seed. (Under fallback_random, eager's numbers: tests/test_fx_dropout.py, and test_chunk.py's
+    # refusal of the attention chunk there.)
+    V("gpt_dropout_train", dropout=True, dropout_p=0.1, random="inductor", tiers=("expensive",),
       expect=CHUNKS + ("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
