@@ -10,6 +10,10 @@ torch = pytest.importorskip("torch")
 import zoo  # noqa: E402
 from test_zoo import check, result_of  # noqa: E402
 
+# Every switch but the dropout's probability and whose random numbers the steps draw (both at
+# their defaults: no random numbers): the FIXED variant gpt_dropout_train and `bench/zoo.py
+# --hypothesis N` (zoo.random_variant draws every switch) cover those; drawn here too, the
+# derandomized second mix became one that took 113 s to compile and run, against 67.
 variants = st.builds(
     zoo.Variant,
     name=st.just("hypothesis"),
@@ -27,10 +31,8 @@ variants = st.builds(
     rope=st.booleans(),
     bias=st.booleans(),
     dropout=st.booleans(),
-    dropout_p=st.sampled_from([0.0, 0.1]),
     inplace=st.booleans(),
     returns=st.sampled_from(zoo.RETURNS),
-    random=st.sampled_from(zoo.RANDOMS),
     graph_break=st.booleans(),
     checkpoint=st.booleans(),
     dynamic=st.booleans(),
