@@ -19,9 +19,11 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 # The files that take longest on 2 CPU cores (Inductor compiles), longest first. `make test`
 # hands whole files to its workers (--dist loadfile) in collection order (--no-loadscope-reorder:
-# xdist would otherwise order them by their number of tests, which put the few-test, long files,
-# the zoo's, last, and one worker ran them alone while the other sat idle). Longest first, the
-# last files handed out are the short ones. A file not listed keeps its place after these.
+# xdist would otherwise order them by their number of tests, which puts the few-test, long files,
+# the zoo's, last, where one handed out late can leave the other worker idle at the end).
+# Longest first, the last files handed out are the short ones. Measured: 13:17 before, 13:09
+# after, within this machine's noise; the workers were already close to balanced, and the
+# suite's time is its work. A file not listed keeps its place after these.
 LONGEST_FIRST = ("test_zoo.py", "test_chunk.py", "test_fx_dynamic.py", "test_fx_backend.py",
                  "test_torch_peak.py", "test_hf_models.py", "test_zoo_random.py", "test_onnx_chunk.py",
                  "test_data_parallel.py", "test_pipeline_run.py", "test_fx_properties.py",
