@@ -746,6 +746,12 @@ def _innermost(err: BaseException) -> BaseException:
     return err
 
 
+def _torch_error(err: BaseException) -> str:
+    """One line for a failure of plain Inductor (torch's, not remat's)."""
+    inner = _innermost(err)
+    return f"{type(inner).__name__}: {str(inner).strip()[:300]}"
+
+
 def _frames(err: BaseException, last: int = 8) -> list[str]:
     out = []
     for fs in traceback.extract_tb(err.__traceback__)[-last:]:
@@ -855,13 +861,12 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
     batches = [inputs, second_inputs(variant)]
     eager_random = variant.random == "eager"
     if eager_random:
-        eager = _steps(model, model, batches)
+        reference = _steps(model, model, batches)
     else:
         try:
-            eager = _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random=False)
+            reference = _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random=False)
         except Exception as err:        # noqa: BLE001 - torch's failure, not remat's
-            inner = _innermost(err)
-            res.torch_error = f"{type(inner).__name__}: {str(inner).strip()[:300]}"
+            res.torch_error = _torch_error(err)
             return res
         model.zero_grad(set_to_none=True)
 
@@ -881,13 +886,13 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
         res.frames = _frames(inner)
         res.in_remat = any(f.startswith(("engine/", "backends/", "dsl/")) for f in res.frames)
     model.zero_grad(set_to_none=True)
-    if not res.compiled and res.strict:
-        # Is it torch's failure rather than remat's? The same steps with plain Inductor.
+    if not res.compiled and res.strict and eager_random:
+        # Is it torch's failure rather than remat's? The same steps with plain Inductor (which,
+        # under Inductor's random, already ran: they are the reference).
         try:
-            _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random)
+            _compiled_steps(model, batches, "inductor", variant.dynamic)
         except Exception as err:        # noqa: BLE001
-            inner = _innermost(err)
-            res.torch_error = f"{type(inner).__name__}: {str(inner).strip()[:300]}"
+            res.torch_error = _torch_error(err)
         model.zero_grad(set_to_none=True)
     remat_pass = getattr(backend, "remat_pass", None)
     if remat_pass is not None:
@@ -895,11 +900,11 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
         res.chunk_failures = list(getattr(remat_pass, "chunk_failures", []))
         res.refused = chunk_refusals(remat_pass)
     if res.compiled:
-        res.loss_err, res.grad_err, res.worst_grad = _errors(compiled, eager)
+        res.loss_err, res.grad_err, res.worst_grad = _errors(compiled, reference)
     low_precision = variant.model == "conv" or (variant.model == "gpt" and variant.precision in LOW_PRECISION)
     if eager_random and (baseline or (baseline is None and low_precision and res.compiled and not res.within)):
         plain = _compiled_steps(model, batches, "inductor", variant.dynamic)
-        res.base_loss_err, res.base_grad_err, _ = _errors(plain, eager)
+        res.base_loss_err, res.base_grad_err, _ = _errors(plain, reference)
         res.base_tolerance = low_precision
     res.seconds = time.perf_counter() - start
     return res
