@@ -286,3 +286,104 @@ def test_a_broadcast_onnx_data_propagation_refuses_imports_with_its_sizes():
     assert any(n.op == "Mul" and n.outputs[0].shape == (4, 1, 8) for n in graph.nodes)
     filled = [n.outputs[0].shape for n in graph.nodes if n.op == "ConstantOfShape"]
     assert filled and all(shape is not None and all(isinstance(d, int) for d in shape) for shape in filled), filled
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_convolution_gradients_written_as_forward_convolutions_equal_torchs(dims):
+    """torch_export._convolution_backward (ONNX has no convolution gradient): the input's, the
+    weight's and the bias's gradients equal autograd's in float64 over strides, paddings,
+    dilations, groups and kernel sizes, including strides that drop the input's last rows."""
+    import itertools
+
+    from backends.onnx.torch_export import _convolution_backward
+
+    conv = torch.nn.functional.conv1d if dims == 1 else torch.nn.functional.conv2d
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for stride, padding, dilation, groups, kernel in itertools.product((1, 2, 3), (0, 2), (1, 2), (1, 4), (1, 3)):
+        x = torch.randn((2, 8) + (11, 13)[:dims], dtype=torch.float64, generator=generator, requires_grad=True)
+        w = torch.randn((8, 8 // groups) + (kernel,) * dims, dtype=torch.float64, generator=generator,
+                        requires_grad=True)
+        b = torch.randn(8, dtype=torch.float64, generator=generator, requires_grad=True)
+        y = conv(x, w, b, stride, padding, dilation, groups)
+        g = torch.randn(y.shape, dtype=torch.float64, generator=generator)
+        want = torch.autograd.grad(y, (x, w, b), g)
+        got = _convolution_backward(g, x.detach(), w.detach(), [8], [stride] * dims, [padding] * dims,
+                                    [dilation] * dims, False, [0] * dims, groups, [True, True, True])
+        for name, a, e in zip(("input", "weight", "bias"), got, want):
+            assert a.shape == e.shape, (name, stride, padding, dilation, groups, kernel)
+            assert torch.allclose(a, e, rtol=1e-12, atol=1e-12), (name, stride, padding, dilation, groups, kernel)
+        checked += 1
+    assert checked == 48
+
+
+class _Convolutions(torch.nn.Module):
+    """A ViT's patch embedding (a strided Conv2d) and Mamba's causal depthwise Conv1d (groups =
+    channels, padded on both sides and cut back), under a cross-entropy loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 64, 4, stride=4)
+        self.mixer = torch.nn.Conv1d(64, 64, 3, padding=2, groups=64)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, images, labels):
+        x = self.patches(images).flatten(2)                    # (batch, 64, positions)
+        x = self.mixer(x)[..., :x.shape[-1]].transpose(1, 2)    # causal: the last two positions cut
+        return torch.nn.functional.cross_entropy(self.head(torch.nn.functional.gelu(x)).flatten(0, 1),
+                                                 labels.flatten())
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_a_step_with_convolutions_exports_and_its_rewrite_runs(tmp_path, exporter):
+    """No ONNX op is a convolution's gradient, and torch.onnx wrote none: every step with a
+    convolution (ViT, Whisper, Mamba, a ResNet) failed to export ("No ONNX function found for
+    aten.convolution_backward") until the exporters traced it as forward convolutions."""
+    from backends.onnx.torch_export import export_checked
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(8, 3, 64, 66), torch.randint(0, 10, (8, 256)))   # 16 x 16 patches, 2 columns dropped
+    path, check = export_checked(_Convolutions(), inputs, tmp_path / "conv.onnx", ["images", "labels"],
+                                 exporter=exporter)
+    assert check.error < 1e-4
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("ConvTranspose") == 1 and ops.count("Conv") == 4     # (the first input needs no gradient)
+    result = apply(import_model(path), load_rules(), tiers=["expensive"])
+    assert any(p.applied for p in result.plans)
+    rewritten = export_model(result.graph)
+    feeds = dict(np.load(path.with_suffix(".inputs.npz")))
+    error, where = max_relative_error(run(rewritten, feeds), run(path, feeds))
+    assert error < 1e-6, where
+
+
+class _ComplexRotary(torch.nn.Module):
+    """Rotary positions in complex numbers, as Meta's Llama code and transformers' Llama 4 write
+    them: `torch.polar` in the forward, `view_as_complex`, an unsqueezed complex `freqs_cis`
+    broadcast over the heads, `view_as_real`."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4))
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs)[None]           # (1, t, 2)
+        q, k = self.qk(x).view(b, t, 2, 4, 4).unbind(2)                        # (b, t, heads, 4)
+        rotated = [torch.view_as_real(torch.view_as_complex(y.reshape(b, t, 4, 2, 2)) * freqs_cis[:, :, None, :])
+                   .flatten(3) for y in (q, k)]
+        scores = torch.einsum("bqhd,bkhd->bhqk", *rotated)
+        return scores.softmax(-1).square().mean()
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_complex_rotary_embeddings_export(exporter):
+    """torch.onnx holds a complex tensor as its real view (a trailing pair) and translates
+    view_as_complex, mul and view_as_real so, but not unsqueeze: Llama 4 failed to export ("No
+    decompositions registered for the complex-valued input") until the exporters traced a complex
+    unsqueeze as the unsqueeze of its real view."""
+    from backends.onnx.torch_export import export_training_step, verify
+
+    torch.manual_seed(0)
+    exported = export_training_step(_ComplexRotary(), (torch.randn(2, 6, 16),), ["x"], exporter=exporter)
+    assert verify(exported).error < 1e-4

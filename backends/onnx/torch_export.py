@@ -292,8 +292,59 @@ def _slice_backward(grad_output, input_sizes, dim: int, start: int, end: int, st
     return torch.ops.aten.constant_pad_nd.default(grad_output, pad, 0.0)
 
 
+def _complex_unsqueeze(self, dim: int):
+    """aten.unsqueeze of a complex tensor (Llama 4's rotary `freqs_cis[:, :, None, :]`) as the
+    same unsqueeze of its real view, a trailing (real, imaginary) dim: torch.onnx holds a complex
+    tensor so and has complex translations of view_as_complex, mul and view_as_real, but not of
+    unsqueeze ("No decompositions registered for the complex-valued input"). A real tensor keeps
+    ATen's op."""
+    if not self.is_complex():
+        return NotImplemented
+    dim = dim if dim >= 0 else dim + self.dim() + 1
+    return torch.view_as_complex(torch.view_as_real(self).unsqueeze(dim))
+
+
+def _convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups: int, output_mask):
+    """aten.convolution_backward as forward convolutions, which ONNX has (Conv, ConvTranspose):
+    ONNX has no convolution gradient, and torch.onnx none to write, so a step with a convolution
+    (a ViT's patch embedding, Mamba's depthwise conv1d, a ResNet) could not be exported.
+    The input's gradient is the transposed convolution of the output's gradient with the weight,
+    its output padding the rows the forward's stride dropped. The weight's, per group, correlates
+    the input with the output's gradient over the batch: a convolution of the input with batch and
+    channels swapped (each group's batch its input channels) by the output's gradient as its
+    kernel, stride and dilation swapped, cut to the kernel's size. The bias's sums the output's
+    gradient over batch and positions. A transposed convolution's keeps ATen's op."""
+    if transposed:
+        return NotImplemented
+    aten = torch.ops.aten
+    dims = input.dim() - 2
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        kept = [(grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[2 + i] - 1) + 1
+                for i in range(dims)]
+        grad_input = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, True,
+                                              [input.shape[2 + i] - kept[i] for i in range(dims)], groups)
+    if output_mask[1]:
+        batch, channels, spatial = input.shape[0], input.shape[1], list(input.shape[2:])
+        per_group = channels // groups
+        # (per-group channel, group x batch, *positions): group g's batch is its input channels
+        swapped = input.reshape(batch, groups, per_group, *spatial).transpose(0, 2) \
+                       .reshape(per_group, groups * batch, *spatial)
+        correlated = aten.convolution.default(swapped, grad_output.transpose(0, 1), None, dilation, padding, stride,
+                                              False, [0] * dims, groups)
+        grad_weight = correlated.transpose(0, 1)
+        for i in range(dims):
+            grad_weight = grad_weight.narrow(2 + i, 0, weight.shape[2 + i])
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
 # Decompositions both exporters trace with, ahead of ATen's own.
-_DECOMPOSITIONS = {torch.ops.aten.slice_backward.default: _slice_backward}
+_DECOMPOSITIONS = {torch.ops.aten.slice_backward.default: _slice_backward,
+                   torch.ops.aten.unsqueeze.default: _complex_unsqueeze,
+                   torch.ops.aten.convolution_backward.default: _convolution_backward}
 
 # torch.onnx's translations the exporters replace: only what it gets wrong.
 _TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward,
