@@ -62,6 +62,20 @@ ARCHITECTURES = {
     "falcon": {}, "opt": {}, "gptj": {"rotary_dim": 16}, "gemma": {"head_dim": 32},
     "gemma2": {"head_dim": 32, "sliding_window": 128}, "gpt_bigcode": {}, "stablelm": {}, "olmo": {},
     "bloom": {}, "mpt": {}, "mixtral": {}, "gpt2": {}, "llama": {},
+    # Session 21: newer architectures (transformers 5.24), experts cut to 8 (4 for Llama 4) of 128 hidden.
+    "gemma3_text": {"head_dim": 32, "sliding_window": 128},
+    "qwen3_moe": {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "deepseek_v3": {"num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 32,
+                    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32},
+    "gpt_oss": {"head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128},
+    "olmo2": {}, "cohere": {}, "granite": {}, "starcoder2": {}, "smollm3": {}, "glm4": {}, "nemotron": {},
+    "exaone4": {}, "minicpm3": {"num_key_value_heads": 4}, "lfm2": {}, "falcon_h1": {},
+    "llama4_text": {"head_dim": 32, "num_local_experts": 4, "intermediate_size_mlp": 512},
+    "qwen3_next": {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                   "shared_expert_intermediate_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                   "layer_types": ["linear_attention", "full_attention"]},
 }
 SIZE = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, bos_token_id=0, eos_token_id=0, pad_token_id=None)
@@ -90,7 +104,7 @@ def build(name: str, batch: int, attention: str, reference: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(name, **SIZE, **ARCHITECTURES[name])
+    cfg = AutoConfig.for_model(name, **{**SIZE, **ARCHITECTURES[name]})     # (the override wins)
     _no_dropout(cfg)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention,
