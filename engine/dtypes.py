@@ -17,6 +17,9 @@ class DType(Enum):
     BOOL = ("bool", 1)
     FLOAT8E4M3 = ("float8e4m3", 1)
     FLOAT8E5M2 = ("float8e5m2", 1)
+    # A (real, imaginary) pair: rotary positions in complex numbers (Meta's Llama code, Llama 4).
+    COMPLEX64 = ("complex64", 8)
+    COMPLEX128 = ("complex128", 16)
     UNKNOWN = ("unknown", 0)
 
     @property

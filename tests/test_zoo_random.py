@@ -28,7 +28,8 @@ variants = st.builds(
     precision=st.sampled_from(zoo.PRECISIONS),
     loss=st.sampled_from(zoo.LOSSES),
     logits=st.sampled_from(zoo.LOGITS),
-    rope=st.booleans(),
+    # (rotate_half or none, drawn as the boolean it was: the same derandomized mixes)
+    rope=st.booleans().map(lambda rotary: "rotate_half" if rotary else "none"),
     bias=st.booleans(),
     dropout=st.booleans(),
     inplace=st.booleans(),

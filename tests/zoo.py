@@ -110,13 +110,16 @@ RANDOMS = ("eager",         # Inductor's fallback_random: compiled steps draw ea
                             # and are compared with eager's steps
            "inductor")      # Inductor's own random numbers (what users run): remat's steps are compared
                             # with plain Inductor's, which draws the same numbers seed for seed
+ROPES = ("none",            # no rotary positions
+         "rotate_half",     # q * cos + rotate_half(q) * sin (Hugging Face: torch.cat of the halves' negation)
+         "complex")         # Meta's Llama code: view_as_complex(q pairs) * freqs_cis (torch.polar), view_as_real
 RETURNS = ("loss",          # forward returns the loss
            "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output,
                             # and the step gives them a gradient of their own too (_step)
 
 # Every switch and its values (the defaults first).
 SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "norm": NORMS, "mlp": MLPS,
-            "heads": HEADS, "rope": (False, True), "bias": (True, False), "dropout": (False, True),
+            "heads": HEADS, "rope": ROPES, "bias": (True, False), "dropout": (False, True),
             "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
             "logits": LOGITS, "returns": RETURNS, "random": RANDOMS, "train": TRAINS,
@@ -142,7 +145,7 @@ class Variant:
     norm: str = "layernorm"
     mlp: str = "gelu"
     heads: str = "mha"
-    rope: bool = False              # rotary embeddings on q and k (rotate_half, torch.cat)
+    rope: str = "none"              # rotary embeddings on q and k (ROPES)
     bias: bool = True               # biases in the block's Linear layers (LLaMA: none)
     dropout: bool = False           # nn.Dropout(dropout_p) modules and SDPA dropout_p=0.0 (nanoGPT)
     dropout_p: float = 0.0          # the Dropout modules' probability (steps seeded, fallback_random)
@@ -225,6 +228,14 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_complex(x, freqs_cis):
+    """Meta's `apply_rotary_emb`: x's (even, odd) pairs as complex numbers, turned by freqs_cis
+    (unsqueezed over the heads, as Llama 4 writes it), in float32, back in x's type."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))    # (b, h, t, hd / 2)
+    turned = pairs.transpose(1, 2) * freqs_cis[None, :, None, :]               # (b, t, h, hd / 2)
+    return torch.view_as_real(turned.transpose(1, 2)).flatten(3).type_as(x)
+
+
 class Attention(nn.Module):
     def __init__(self, v: Variant, d: int, heads: int, seq: int):
         super().__init__()
@@ -247,12 +258,17 @@ class Attention(nn.Module):
         elif v.mask == "additive":
             additive = torch.zeros(seq, seq).masked_fill(causal == 0, torch.finfo(torch.float32).min)
             self.register_buffer("additive", additive, persistent=False)
-        if v.rope:
+        if v.rope != "none":
             inv_freq = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
             freqs = torch.outer(torch.arange(seq).float(), inv_freq)
+        if v.rope == "rotate_half":
             emb = torch.cat((freqs, freqs), dim=-1)
             self.register_buffer("cos", emb.cos(), persistent=False)
             self.register_buffer("sin", emb.sin(), persistent=False)
+        elif v.rope == "complex":
+            # A plain attribute, as Meta's code keeps it: a buffer would be cast by `.to(bfloat16)`,
+            # which drops a complex tensor's imaginary part.
+            self.freqs_cis = torch.polar(torch.ones_like(freqs), freqs)     # (seq, hd / 2) complex64
 
     def qkv_heads(self, x):
         b, t, d = x.shape
@@ -264,10 +280,12 @@ class Attention(nn.Module):
         q = q.view(b, t, self.h, self.hd).transpose(1, 2)
         k = k.view(b, t, self.kvh, self.hd).transpose(1, 2)
         v = v.view(b, t, self.kvh, self.hd).transpose(1, 2)
-        if self.v.rope:
+        if self.v.rope == "rotate_half":
             cos, sin = self.cos[:t], self.sin[:t]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        elif self.v.rope == "complex":
+            q, k = rotate_complex(q, self.freqs_cis[:t]), rotate_complex(k, self.freqs_cis[:t])
         rep = self.h // self.kvh
         if self.v.heads == "gqa_repeat":
             k = k.repeat_interleave(rep, dim=1)
@@ -922,9 +940,11 @@ FIXED: list[Variant] = [
     V("issue_gpt_scores_div_float", scale="div_float",
       expect=CHUNKS + ("recompute_activation",)),
     # LoRA fine-tuning: the frozen weights get no gradient, the adapters do; the chunks fire as
-    # with every weight trained.
-    V("gpt_div_tensor_additive_rmshand_swiglu_sum_lora", scale="div_tensor", mask="additive", norm="rms_hand",
-      mlp="swiglu", loss="ce_sum", train="lora", expect=CHUNKS + ("recompute_elementwise",)),
+    # with every weight trained. Meta's Llama code: RMSNorm by hand, SwiGLU, rotary positions in
+    # complex numbers.
+    V("gpt_div_tensor_additive_rmshand_swiglu_sum_complex_rope_lora", scale="div_tensor", mask="additive",
+      norm="rms_hand", mlp="swiglu", loss="ce_sum", rope="complex", train="lora",
+      expect=CHUNKS + ("recompute_elementwise",)),
     # HF's label shift: the 3-d logits are sliced along the sequence before the reshape to
     # (tokens, vocab): the loss chunk runs in slices of whole batch rows (2 here).
     # ... with the embeddings frozen (tied: the head's weight too, so no weight gradient of the head).
@@ -932,7 +952,7 @@ FIXED: list[Variant] = [
       norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift", train="frozen_embed",
       expect=CHUNKS + ("recompute_activation",)),
     V("gpt_gqa_repeat_where_relu_smooth_rope", heads="gqa_repeat", mask="is_causal", mlp="relu",
-      loss="ce_smooth", logits="matmul_t", rope=True, expect=CHUNKS + ("recompute_layout",)),
+      loss="ce_smooth", logits="matmul_t", rope="rotate_half", expect=CHUNKS + ("recompute_layout",)),
     V("gpt_gqa_expand_einsum_gelu_hand_count_tied_nobias", heads="gqa_expand", scale="einsum",
       mlp="gelu_hand", loss="ce_count", tied=True, logits="matmul_t", bias=False,
       expect=CHUNKS + ("recompute_elementwise", "recompute_layout")),

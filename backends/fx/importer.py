@@ -33,6 +33,7 @@ _DTYPES = {
     torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
     torch.float64: DType.FLOAT64, torch.int8: DType.INT8, torch.int16: DType.INT16,
     torch.int32: DType.INT32, torch.int64: DType.INT64, torch.uint8: DType.UINT8, torch.bool: DType.BOOL,
+    torch.complex64: DType.COMPLEX64, torch.complex128: DType.COMPLEX128,
 }
 
 

@@ -11,6 +11,7 @@ _TO_IR = {
     TensorProto.INT8: DType.INT8, TensorProto.INT16: DType.INT16, TensorProto.INT32: DType.INT32,
     TensorProto.INT64: DType.INT64, TensorProto.UINT8: DType.UINT8, TensorProto.BOOL: DType.BOOL,
     TensorProto.FLOAT8E4M3FN: DType.FLOAT8E4M3, TensorProto.FLOAT8E5M2: DType.FLOAT8E5M2,
+    TensorProto.COMPLEX64: DType.COMPLEX64, TensorProto.COMPLEX128: DType.COMPLEX128,
 }
 _TO_ONNX = {v: k for k, v in _TO_IR.items()}
 
