@@ -267,3 +267,19 @@ def test_ort_memory_model_knows_what_onnx_runtime_aliases():
     model = ort_memory_model(view)
     assert model.alias_ops == ORT_ALIAS_OPS and model.arena and not model.outputs_in_arena
     assert "Relu" in model.inplace_ops and "Exp" not in model.inplace_ops
+
+
+def test_onnx_runtimes_shape_knowledge_through_an_expand_of_a_value_of_unknown_rank():
+    """A value whose shape the importer could not infer (a rewritten model read back: torch.onnx's
+    value_info is not written again) expanded to a constant shape: the Expand's rank is unknown
+    too. ort_unknown_shapes broadcast the unknown input and raised a TypeError, so
+    estimated_ort_peak crashed on a MoE step remat had rewritten."""
+    from backends.onnx.ort_order import ort_unknown_shapes
+
+    x, unknown = _v("x", 4), Value("unknown", F32, None)
+    x.is_input = True
+    target, out = Value("target", DType.INT64, (2,)), _v("out", 3, 4)
+    target.ints, target.is_initializer = [3, 4], True
+    g = Graph([_node("Relu", [x], unknown), _node("Expand", [unknown, target], out)], [x], [out])
+    known = ort_unknown_shapes(g, g.nodes)
+    assert known[id(out)] == (None, None)
