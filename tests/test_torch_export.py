@@ -387,3 +387,30 @@ def test_complex_rotary_embeddings_export(exporter):
     torch.manual_seed(0)
     exported = export_training_step(_ComplexRotary(), (torch.randn(2, 6, 16),), ["x"], exporter=exporter)
     assert verify(exported).error < 1e-4
+
+
+class _InPlaceOnAView(torch.nn.Module):
+    """transformers' batched experts (gpt-oss): a bias added in place to a squeezed batched product,
+    a write through a view that functionalization makes an as_strided_scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 8, 5))
+        self.b = torch.nn.Parameter(torch.randn(6, 5))
+
+    def forward(self, x):
+        out = torch.bmm(x.unsqueeze(1), self.w).squeeze(1)
+        out.add_(self.b)
+        return out.square().mean()
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_an_in_place_write_through_a_view_exports(exporter):
+    """torch.onnx cannot translate prims.as_strided_scatter ("No ONNX function found"): gpt-oss
+    with batched experts and MiniCPM3 failed to export until the exporters wrote it as a
+    ScatterElements at the view's element offsets."""
+    from backends.onnx.torch_export import export_training_step, verify
+
+    torch.manual_seed(0)
+    exported = export_training_step(_InPlaceOnAView(), (torch.randn(6, 8),), ["x"], exporter=exporter)
+    assert verify(exported).error < 1e-4
