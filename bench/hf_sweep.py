@@ -1,4 +1,4 @@
-"""Hugging Face causal LM architectures through `backend="remat"` in float32, bfloat16 and autocast.
+"""Hugging Face causal LM architectures (36: ARCHITECTURES) through `backend="remat"` in float32, bfloat16 and autocast.
 
 Each architecture is built with `AutoModelForCausalLM.from_config(AutoConfig.for_model(name, ...))`
 with random weights (no download), small (vocab 4096, hidden 128, 2 layers, 4 heads, 2 key/value
