@@ -515,8 +515,12 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             if target is not None and op == "Reshape" and ins[0] is not None:
                 result = _reshape_known(ins[0], list(target))
             elif target is not None and all(d > 0 for d in target):
-                result = tuple(target) if op != "Expand" else \
-                    None if ins[0] is None else _broadcast_known([ins[0], tuple(target)])     # (rank unknown)
+                if op != "Expand":
+                    result = tuple(target)
+                elif ins[0] is not None:
+                    result = _broadcast_known([ins[0], tuple(target)])
+                else:
+                    result = None       # an input of unknown rank: the Expand's is unknown too
         if result is True:
             data = [d for v, d in zip(node.inputs, ins) if v is not None and not v.is_initializer]
             if any(d is None or any(x is None for x in d) for d in data):

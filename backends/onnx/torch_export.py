@@ -271,6 +271,27 @@ def _copy(self, src, non_blocking: bool = False):
     return op.Expand(op.CastLike(src, self), op.Shape(self))
 
 
+def _as_strided_scatter(self, src, size, stride, storage_offset: int = 0):
+    """prims.as_strided_scatter (what functionalization and ATen's reference make of an in-place
+    write through a view no slice or select describes: MiniCPM3's `q[..., d:] = q_pe`, gpt-oss's
+    batched experts' `out.add_(bias)` on a squeezed product), which torch.onnx cannot translate,
+    as ONNX's ScatterElements of `src` into the flattened input at the view's element offsets
+    (constants: the sizes are the example's). Functionalization's base is a contiguous buffer, so
+    its element offsets are its storage's."""
+    from onnxscript import opset18 as op
+
+    sizes = [int(n) for n in size]
+    offsets = np.full((), storage_offset, dtype=np.int64)
+    for dim, (n, step) in enumerate(zip(sizes, stride)):
+        shape = [1] * len(sizes)
+        shape[dim] = n
+        offsets = offsets + (np.arange(n, dtype=np.int64) * int(step)).reshape(shape)
+    indices = op.Constant(value=onnx.numpy_helper.from_array(np.broadcast_to(offsets, sizes).reshape(-1)))
+    flat = op.ScatterElements(op.Reshape(self, op.Constant(value_ints=[-1])), indices,
+                              op.Reshape(src, op.Constant(value_ints=[-1])), axis=0)
+    return op.Reshape(flat, op.Shape(self))
+
+
 # Ops torch.onnx writes as ONNX ops that ONNX Runtime runs in float and not in double on the CPU
 # (LayerNormalization: "Could not find an implementation"): the float64 export (`verify`'s second
 # opinion) traces them through their decompositions, reductions and pointwise ops it has double
@@ -345,26 +366,6 @@ def _convolution_backward(grad_output, input, weight, bias_sizes, stride, paddin
 _DECOMPOSITIONS = {torch.ops.aten.slice_backward.default: _slice_backward,
                    torch.ops.aten.unsqueeze.default: _complex_unsqueeze,
                    torch.ops.aten.convolution_backward.default: _convolution_backward}
-
-def _as_strided_scatter(self, src, size, stride, storage_offset: int = 0):
-    """prims.as_strided_scatter (what functionalization and ATen's reference make of an in-place
-    write through a view no slice or select describes: MiniCPM3's `q[..., d:] = q_pe`, gpt-oss's
-    batched experts' `out.add_(bias)` on a squeezed product), which torch.onnx cannot translate,
-    as ONNX's ScatterElements of `src` into the flattened input at the view's element offsets
-    (constants: the sizes are the example's). Functionalization's base is a contiguous buffer, so
-    its element offsets are its storage's."""
-    from onnxscript import opset18 as op
-
-    offsets = np.full((), storage_offset, dtype=np.int64)
-    for dim, (n, step) in enumerate(zip(size, stride)):
-        shape = [1] * len(size)
-        shape[dim] = int(n)
-        offsets = offsets + (np.arange(int(n), dtype=np.int64) * int(step)).reshape(shape)
-    indices = op.Constant(value=onnx.numpy_helper.from_array(np.ascontiguousarray(
-        np.broadcast_to(offsets, [int(n) for n in size]).reshape(-1))))
-    flat = op.ScatterElements(op.Reshape(self, op.Constant(value_ints=[-1])), indices,
-                              op.Reshape(src, op.Constant(value_ints=[-1])), axis=0)
-    return op.Reshape(flat, op.Shape(self))
 
 
 # torch.onnx's translations the exporters replace or add: only what it gets wrong or cannot write.
