@@ -164,9 +164,11 @@ def ort_view(graph: Graph) -> OrtView:
     return view
 
 
-def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
-    index = ort_indices(graph)
-    next_index = len(index)
+def ort_constants(graph: Graph, outer_constant: set[int] | frozenset[int] = frozenset()) \
+        -> tuple[set[int], set[int]]:
+    """What ORT's constant folding makes constant in `graph` (ids): the values (initializers,
+    `Constant`s, results of nodes whose inputs all are, `Shape` of a static shape; the
+    enclosing graphs' constants in `outer_constant`) and the nodes it folds away."""
     constant = set(outer_constant) | {id(v) for v in graph.initializers}
     folded: set[int] = set()
     for node in graph.nodes:
@@ -179,6 +181,13 @@ def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknow
                        and _static(node.inputs[0])))):
             constant.update(id(o) for o in node.outputs)
             folded.add(id(node))
+    return constant, folded
+
+
+def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
+    index = ort_indices(graph)
+    next_index = len(index)
+    constant, folded = ort_constants(graph, outer_constant)
     for v in graph.values():
         if id(v) in constant and not v.is_input:
             v.is_initializer = True
@@ -228,8 +237,12 @@ def _drop(graph: Graph, node: Node, keep: Value, gone: Value) -> None:
 
 
 def _eliminate(graph: Graph) -> None:
-    """ORT's eliminations: `Identity`, `Expand` to the same shape, `Cast` to the same type, a
-    `Transpose` of a `Transpose` (composed into one; gone when that is the identity)."""
+    """ORT's eliminations: `Identity`, `Expand` to the same shape (a constant one, after folding:
+    expand_elimination.cc reads it from an initializer), `Cast` to the same type, a
+    `Transpose` of a `Transpose` (composed into one; gone when that is the identity). A lone
+    `Transpose` with the identity permutation stays: ORT's transpose optimizer only looks at a
+    Transpose that reads another, and the kernel copies (measured: the ONNX export of a
+    mixture-of-experts' `index_put` writes such transposes of [tokens, 256, 128])."""
     changed = True
     while changed:
         changed = False
@@ -249,12 +262,15 @@ def _eliminate(graph: Graph) -> None:
                 if len(src.users) == 1 and all(v is not src for v in graph.outputs):
                     graph.nodes = [n for n in graph.nodes if n is not inner]
                 graph.link()
+                if node.attrs["perm"] == list(range(len(p2))):
+                    _drop(graph, node, node.inputs[0], out)
                 changed = True
                 continue
             same = (node.op == "Identity"
-                    or (node.op == "Expand" and _static(src) and _static(out) and tuple(src.shape) == tuple(out.shape))
-                    or (node.op == "Cast" and src.dtype is not DType.UNKNOWN and node.attrs.get("to") == src.dtype)
-                    or (node.op == "Transpose" and _perm(node) == list(range(len(_perm(node) or []))) and _perm(node)))
+                    or (node.op == "Expand" and len(node.inputs) > 1 and node.inputs[1] is not None
+                        and node.inputs[1].is_initializer and _static(src) and _static(out)
+                        and tuple(src.shape) == tuple(out.shape))
+                    or (node.op == "Cast" and src.dtype is not DType.UNKNOWN and node.attrs.get("to") == src.dtype))
             if same:
                 before = len(graph.nodes)
                 _drop(graph, node, src, out)
@@ -360,8 +376,11 @@ def _castlike_to_cast(graph: Graph, index: dict[int, int], next_index: int) -> i
 
 
 def _fuse_transposes(graph: Graph, index: dict[int, int], next_index: int, ops: tuple[str, ...]) -> int:
-    """A `Transpose` swapping the last two dims (2-D for Gemm), read only by a matmul, folded into
-    it: a new Gemm or FusedMatMul with transA/transB, and a new index."""
+    """A `Transpose` swapping the last two dims (2-D for Gemm; for MatMul also one with the
+    identity permutation) folded into the matmul reading it: a new Gemm or FusedMatMul with
+    transA/transB, and a new index. The Transpose may have other readers; it goes when the last
+    of them is fused (matmul_transpose_fusion.cc counts consumers), and stays for any other.
+    A Transpose that writes a graph output is not folded."""
     outputs = {id(v) for v in graph.outputs}
     order = ort_order(graph, index)
     for node in order:
@@ -369,25 +388,33 @@ def _fuse_transposes(graph: Graph, index: dict[int, int], next_index: int, ops: 
             continue
         attrs = dict(node.attrs)
         inputs = list(node.inputs)
-        dropped = []
+        folded = []
         for slot, flag in ((0, "transA"), (1, "transB")):
             v = inputs[slot] if slot < len(inputs) else None
             t = v.producer if v is not None else None
-            if (t is None or t.op != "Transpose" or len(v.users) != 1 or id(v) in outputs
-                    or not _swaps_last_two(t) or (node.op == "Gemm" and len(_perm(t)) != 2)):
+            if t is None or t.op != "Transpose" or id(v) in outputs or not _perm(t):
+                continue
+            swap = _swaps_last_two(t) and (node.op != "Gemm" or len(_perm(t)) == 2)
+            identity = node.op != "Gemm" and _perm(t) == list(range(len(_perm(t))))
+            if not (swap or identity):
                 continue
             inputs[slot] = t.inputs[0]
-            attrs[flag] = 1 - int(attrs.get(flag, 0))
-            dropped.append(t)
-        if not dropped:
+            if swap:
+                attrs[flag] = 1 - int(attrs.get(flag, 0))
+            folded.append(t)
+        if not folded:
             continue
         op = "Gemm" if node.op == "Gemm" else "com.microsoft::FusedMatMul"
         suffix = "GemmTransposeFusion" if op == "Gemm" else "MatmulTransposeFusion"
         fused = Node(op, inputs, node.outputs, attrs, f"{node.name}/{suffix}/")
-        graph.nodes = [fused if n is node else n for n in graph.nodes if all(n is not t for t in dropped)]
+        graph.nodes = [fused if n is node else n for n in graph.nodes]
+        graph.link()
+        unread = {id(t) for t in folded if not any(o.users for o in t.outputs)}
+        if unread:
+            graph.nodes = [n for n in graph.nodes if id(n) not in unread]
+            graph.link()
         index[id(fused)] = next_index
         next_index += 1
-        graph.link()
     return next_index
 
 
@@ -617,28 +644,50 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
     inference cannot follow everything remat writes (a Loop body's `Slice` at a computed
     offset, `Reshape(x, Shape(x))`): an IR graph's own shapes are kept by name, and what is
     still unknown is inferred here for the ops these graphs use (`fill_shapes`)."""
+    from .importer import import_model
+    from .ort_schedule import schedule_for_onnxruntime
+
+    if isinstance(model_or_graph, Graph):
+        schedule = schedule_for_onnxruntime(model_or_graph)
+        return schedule.written if schedule.written is not None else _read_back(schedule.graph)
+    graph = import_model(model_or_graph)
+    fill_shapes(graph, graph.dim_examples)
+    return graph
+
+
+def _read_back(scheduled: Graph) -> Graph:
+    """`scheduled` (already ordered for ORT) written as the exporter writes it and read back,
+    with its own shapes kept by name where ONNX inference loses them."""
     from .exporter import ExportBug, export_model
     from .importer import import_model
 
-    if isinstance(model_or_graph, Graph):
-        source = model_or_graph
-        try:
-            graph = import_model(export_model(source))
-        except RematError as exc:       # remat wrote it: what the import's check refuses is remat's bug
-            raise ExportBug(f"remat bug: the rewritten model is not valid ONNX: {exc}; nothing was written") from None
-        known = {v.name: v for v in _all_values(source)}
-        for v in _all_values(graph):
-            if _evaluable(v, graph.dim_examples):
-                continue
-            twin = known.get(v.name)
-            if twin is None and v.name.endswith("_rc_view"):
-                twin = known.get(v.name[:-len("_rc_view")])
-            if twin is not None and twin.shape is not None and twin.dtype is v.dtype:
-                v.shape = tuple(twin.shape)
-    else:
-        graph = import_model(model_or_graph)
+    try:
+        graph = import_model(export_model(scheduled, for_onnxruntime=False))
+    except RematError as exc:       # remat wrote it: what the import's check refuses is remat's bug
+        raise ExportBug(f"remat bug: the rewritten model is not valid ONNX: {exc}; nothing was written") from None
+    known = {v.name: v for v in _all_values(scheduled)}
+    for v in _all_values(graph):
+        if _evaluable(v, graph.dim_examples):
+            continue
+        twin = known.get(v.name)
+        if twin is None and v.name.endswith("_rc_view"):
+            twin = known.get(v.name[:-len("_rc_view")])
+        if twin is not None and twin.shape is not None and twin.dtype is v.dtype:
+            v.shape = tuple(twin.shape)
     fill_shapes(graph, graph.dim_examples)
     return graph
+
+
+def estimated_written_peak(scheduled: Graph) -> tuple[Graph, PeakEstimate]:
+    """`scheduled` (already ordered for ORT, ort_schedule) read back as written, and its
+    estimated peak: how the exporter compares leaf placements."""
+    graph = _read_back(scheduled)
+    return graph, _simulate(graph)
+
+
+def _simulate(written: Graph) -> PeakEstimate:
+    view = ort_view(written)
+    return simulate_peak(view.graph, view.order, (), ort_memory_model(view))
 
 
 def _all_values(graph: Graph):
@@ -777,6 +826,11 @@ def estimated_ort_peak(model_or_graph: Graph | onnx.ModelProto | str | Path) -> 
     written (`written_graph`), rewritten and ordered as ORT does (`ort_view`), simulated with
     ORT's allocation planner and memory pattern (`ort_memory_model`). The estimate's `order`
     holds the nodes of the rewritten copy, `curve` the bytes at each of them."""
-    graph = written_graph(model_or_graph)
-    view = ort_view(graph)
-    return simulate_peak(view.graph, view.order, (), ort_memory_model(view))
+    if isinstance(model_or_graph, Graph):
+        from .ort_schedule import schedule_for_onnxruntime
+
+        schedule = schedule_for_onnxruntime(model_or_graph)
+        if schedule.estimate is not None:
+            return schedule.estimate
+        return _simulate(_read_back(schedule.graph))
+    return _simulate(written_graph(model_or_graph))

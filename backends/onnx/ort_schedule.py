@@ -20,12 +20,20 @@ GPT-like model of docs/design.md (vocab 4096, batch 8):
 
 * A node whose results nobody reads is a leaf too; it is dropped (see drop_dead_nodes).
 
+* Leaves last is not always best (a mixture-of-experts step, see schedule_for_onnxruntime):
+  the exporter estimates both placements with ONNX Runtime's peak model and writes the lower.
+
 With the first two, the recomputed GPT graph peaked at 457 MiB instead of 581 MiB; the
 original graph's peak is unchanged (769 MiB either way), and outputs are
 bitwise equal.
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, field
+
+from engine.analysis import PeakEstimate
+from engine.failures import resolve_strict
 from engine.ir import Graph, Node, Value
 
 
@@ -137,12 +145,75 @@ def leaves_last(graph: Graph) -> None:
     graph.nodes = [n for n in graph.nodes if id(n) not in ids] + leaves[::-1]
 
 
-def schedule_for_onnxruntime(graph: Graph) -> Graph:
-    """A copy of `graph`, same values and results, ordered for ONNX Runtime's depth-first walk."""
+LEAVES_LAST = "leaves last"
+AS_SCHEDULED = "as scheduled"
+
+
+@dataclass
+class OrtSchedule:
+    """The graph as the exporter writes it for ONNX Runtime: `graph` (a copy, nodes in file
+    order), which leaf placement it uses, and, when both placements could be estimated, the
+    file read back (`written`) with its estimated peak (`estimate`, ort_order's model)."""
+
+    graph: Graph
+    layout: str
+    written: Graph | None = None
+    estimate: PeakEstimate | None = None
+    estimates: dict[str, int] = field(default_factory=dict)   # layout -> estimated peak bytes
+
+
+def leaf_layouts(graph: Graph) -> list[tuple[str, Graph]]:
+    """The two ways the exporter can place the leaves: last, in reverse schedule order (the
+    walk runs each weight gradient right after its layer), and where the schedule put them
+    (ORT's walk then reaches a leaf only after every leaf written later)."""
     work = graph.copy()
     drop_dead_nodes(work)
     fold_output_transposes(work)
-    leaves_last(work)
-    work.link()
-    work.verify()
-    return work
+    last = work.copy()
+    leaves_last(last)
+    layouts = []
+    for name, g in ((LEAVES_LAST, last), (AS_SCHEDULED, work)):
+        g.link()
+        g.verify()
+        layouts.append((name, g))
+    return layouts
+
+
+def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None) -> OrtSchedule:
+    """A copy of `graph`, same values and results, ordered for ONNX Runtime's depth-first walk:
+    of the two leaf placements (`leaf_layouts`), the one whose estimated peak
+    (ort_order.estimated_written_peak) is lower; leaves last on a tie or where a placement
+    cannot be estimated (a dim with no example value).
+
+    Leaves last is what most training graphs want (the recomputed GPT-like step: 313 MiB
+    measured, 438 with the leaves where the schedule put them). Not all: a mixture-of-experts
+    step exported with batched experts computes each expert's weight gradient as a per-token
+    outer product, [tokens, 256, 128] from [tokens, 256] and [tokens, 128], bigger than its
+    inputs. Run right after its layer, it lives beside the earlier layers' gathered expert
+    weights (Qwen3-MoE, 2 layers: 1369 MiB); run at the end, after them (892 MiB, the original
+    export's 890). A failure to estimate is remat's bug: raised when strict (REMAT_STRICT),
+    else warned once and the leaves written last."""
+    from .exporter import ExportBug
+    from .ort_order import estimated_written_peak     # ort_order reads graphs through the exporter
+
+    layouts = leaf_layouts(graph)
+    best: OrtSchedule | None = None
+    estimates: dict[str, int] = {}
+    for name, g in layouts:
+        try:
+            written, estimate = estimated_written_peak(g)
+        except ExportBug:
+            raise
+        except Exception as exc:
+            if resolve_strict(strict):
+                raise
+            warnings.warn(f"remat: ONNX Runtime's peak could not be estimated for the leaves placed "
+                          f"{name} ({type(exc).__name__}: {exc}); the leaves are written last", stacklevel=2)
+            return OrtSchedule(layouts[0][1], LEAVES_LAST)
+        if estimate.peak_bytes is None:
+            return OrtSchedule(layouts[0][1], LEAVES_LAST)
+        estimates[name] = estimate.peak_bytes
+        if best is None or estimate.peak_bytes < best.estimate.peak_bytes:
+            best = OrtSchedule(g, name, written, estimate)
+    best.estimates = estimates
+    return best
