@@ -140,17 +140,17 @@ def _provenance(node: Node) -> dict[str, str]:
     return props
 
 
-def _export_graph(graph: Graph, with_barriers: bool, outer_constant: frozenset[int] = frozenset()) \
-        -> onnx.GraphProto:
+def _export_graph(graph: Graph, with_barriers: bool) -> onnx.GraphProto:
     """`graph` as a GraphProto. With barriers, a recompute clone reads each tensor from outside its
     region through `Reshape(x, Shape(x))` (the module docstring), except a constant ORT folds:
     folded, a clone of constants is a constant too and costs nothing, and a barrier there hides
     the constant from ONNX shape inference (an `Unsqueeze` whose axes pass through one has an
-    unknown rank, and so has everything after it: ORT's planner then reuses no buffer for them,
-    DeepSeek-V3's recomputed expert gather measured 957 MiB where 709 was estimated)."""
+    unknown rank, and so has everything after it, and ORT's planner reuses no buffer for a value
+    of unknown shape: checked with ONNX shape inference on DeepSeek-V3's recomputed expert
+    gathers, every value from the routing's `Unsqueeze` to the expert weight gradient)."""
     nodes: list[onnx.NodeProto] = []
     barrier_of: dict[tuple[int, int], str] = {}
-    constant = ort_constants(graph, outer_constant)[0] if with_barriers else set()
+    constant = ort_constants(graph)[0] if with_barriers else set()
     for node in graph.nodes:
         region = node.recompute_region
         inputs = []

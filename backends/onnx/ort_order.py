@@ -830,7 +830,6 @@ def estimated_ort_peak(model_or_graph: Graph | onnx.ModelProto | str | Path) -> 
         from .ort_schedule import schedule_for_onnxruntime
 
         schedule = schedule_for_onnxruntime(model_or_graph)
-        if schedule.estimate is not None:
+        if schedule.estimate is not None:       # the exporter estimated it when it chose the placement
             return schedule.estimate
-        return _simulate(_read_back(schedule.graph))
     return _simulate(written_graph(model_or_graph))

@@ -152,8 +152,9 @@ AS_SCHEDULED = "as scheduled"
 @dataclass
 class OrtSchedule:
     """The graph as the exporter writes it for ONNX Runtime: `graph` (a copy, nodes in file
-    order), which leaf placement it uses, and, when both placements could be estimated, the
-    file read back (`written`) with its estimated peak (`estimate`, ort_order's model)."""
+    order), which leaf placement it uses, and, unless estimating failed, the file read back
+    (`written`) with its estimated peak (`estimate`, ort_order's model); `estimates` holds both
+    placements' peaks when both are known."""
 
     graph: Graph
     layout: str
@@ -196,10 +197,8 @@ def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None) -> OrtSch
     from .exporter import ExportBug
     from .ort_order import estimated_written_peak     # ort_order reads graphs through the exporter
 
-    layouts = leaf_layouts(graph)
-    best: OrtSchedule | None = None
-    estimates: dict[str, int] = {}
-    for name, g in layouts:
+    scheduled: list[OrtSchedule] = []
+    for name, g in leaf_layouts(graph):
         try:
             written, estimate = estimated_written_peak(g)
         except ExportBug:
@@ -209,11 +208,10 @@ def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None) -> OrtSch
                 raise
             warnings.warn(f"remat: ONNX Runtime's peak could not be estimated for the leaves placed "
                           f"{name} ({type(exc).__name__}: {exc}); the leaves are written last", stacklevel=2)
-            return OrtSchedule(layouts[0][1], LEAVES_LAST)
+            return scheduled[0] if scheduled else OrtSchedule(g, name)
+        scheduled.append(OrtSchedule(g, name, written, estimate))
         if estimate.peak_bytes is None:
-            return OrtSchedule(layouts[0][1], LEAVES_LAST)
-        estimates[name] = estimate.peak_bytes
-        if best is None or estimate.peak_bytes < best.estimate.peak_bytes:
-            best = OrtSchedule(g, name, written, estimate)
-    best.estimates = estimates
+            return scheduled[0]         # leaves last (the first placement), its estimate unknown
+    best = min(scheduled, key=lambda s: s.estimate.peak_bytes)     # the first on a tie
+    best.estimates = {s.layout: s.estimate.peak_bytes for s in scheduled}
     return best
