@@ -465,9 +465,18 @@ _SHAPE_DATA_INPUTS = {"Slice": (1, 2, 3, 4), "Reshape": (1,), "Expand": (1,), "T
                       "ConstantOfShape": (0,), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "TopK": (1,), "OneHot": (1,),
                       "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,),
                       "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "CenterCropPad": (1,)}
+# Ops whose output rank ONNX's inference knows when a data input has no shape at all (a Reshape's
+# from its shape input's length). Every other op's inference gives no shape then: a broadcast
+# (Mul of a known [2048, 128] and a `SequenceAt` element, which ORT knows no shape of) knows
+# nothing, where the dims of the known input would be guessed (measured: ORT's shape of each
+# value of the DeepSeek-V3 step, read back as graph outputs).
+_RANK_WITHOUT_INPUT_SHAPES = frozenset({"Shape", "Size", "ConstantOfShape", "Reshape"})
 _SAME_DIMS = frozenset({"Relu", "Sigmoid", "Tanh", "Gelu", "Erf", "Exp", "Log", "Neg", "Sqrt", "Reciprocal", "Abs",
                         "Not", "Cast", "CastLike", "Identity", "Softmax", "LogSoftmax", "Clip", "LeakyRelu",
                         "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Floor", "Ceil", "Round", "Sign"})
+# Ops whose output has the shape of one input (by position), whatever the others' shapes.
+_SHAPE_OF_INPUT = {**{op: 0 for op in _SAME_DIMS}, "ScatterElements": 0, "ScatterND": 0, "Scatter": 0,
+                   "LayerNormalization": 0, "GatherElements": 1}
 _BROADCASTS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual",
                          "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Mod", "PRelu"})
 
@@ -482,7 +491,8 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     come from a computed input (a Loop body's `Slice` at `iteration * size`); and what ONNX's
     inference rules carry them into: an elementwise op knows an axis when an input has a size
     above 1 there, a matmul takes M from A and N from B, a `Reshape` to a constant shape of
-    positive dims knows it all. `outer`: the enclosing graphs' unknown values."""
+    positive dims knows it all, and none of them knows anything when an input has no shape at all
+    (None: a `SequenceAt` element). `outer`: the enclosing graphs' unknown values."""
     known: dict[int, Dims] = dict(outer or {})
 
     def dims(v: Value | None) -> Dims:
@@ -506,18 +516,27 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             for o in outs:
                 known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
             continue
+        ins = [dims(v) for v in node.inputs]
+        read = [(v, d) for v, d in zip(node.inputs, ins) if v is not None and not v.is_initializer]
+        if op in _SHAPE_OF_INPUT:
+            k = _SHAPE_OF_INPUT[op]
+            read = [(node.inputs[k], ins[k])] if k < len(node.inputs) and node.inputs[k] is not None else []
+        if op not in _RANK_WITHOUT_INPUT_SHAPES and any(d is None for _, d in read):
+            for o in outs:              # ONNX's inference gives no shape at all when an input has none
+                known[id(o)] = None
+            continue
         data_inputs = _SHAPE_DATA_INPUTS.get(op, ())
         if any(k < len(node.inputs) and node.inputs[k] is not None and not constant(node.inputs[k])
                for k in data_inputs):
             for o in outs:
                 known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
             continue
-        ins = [dims(v) for v in node.inputs]
         result: Dims | bool = True        # True: as the IR says, if every input is fully known
-        if op in _SAME_DIMS or op in ("ScatterElements", "ScatterND", "Scatter", "LayerNormalization"):
-            result = ins[0] if ins else True
-        elif op == "GatherElements" and len(ins) > 1:
-            result = ins[1]
+        if op in _SHAPE_OF_INPUT:
+            k = _SHAPE_OF_INPUT[op]
+            result = ins[k] if k < len(ins) else True
+        elif op == "Shape" and ins and ins[0] is not None and "start" not in node.attrs and "end" not in node.attrs:
+            result = (len(ins[0]),)
         elif op in _BROADCASTS and all(d is not None for d in ins):
             result = _broadcast_known(ins)
         elif op in ("MatMul", "FusedMatMul") and len(ins) >= 2 and ins[0] is not None and ins[1] is not None \
