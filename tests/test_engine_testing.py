@@ -40,7 +40,7 @@ def test_the_backward_engine_testing_writes_is_torch_autograd(op):
     from backends.onnx.exporter import export_model
     from backends.onnx.runtime import run
     from backends.onnx.testing import _with_tensor_payloads
-    from engine.testing.check import tolerance
+    from engine.testing.check import FLOAT32_EPS, tolerance
 
     compared = []
 
@@ -48,15 +48,15 @@ def test_the_backward_engine_testing_writes_is_torch_autograd(op):
     @given(training_graphs(_rule_over(op), dynamic=False, only_firing=False))
     def gradients_agree(tg):
         try:
-            got = run(export_model(_with_tensor_payloads(tg.graph)), tg.feeds)
+            got = run(export_model(_with_tensor_payloads(tg.graph), estimate=False), tg.feeds)
         except Exception:      # noqa: BLE001 - ONNX Runtime lacks this op at this dtype
             return
         module = GraphModule(tg)
         want = _step(module, module, [torch.from_numpy(tg.feeds[n].copy()) for n in module.input_names])
         limit = max(tolerance(v.dtype, 1e-4) for v in tg.graph.values()) * 10
-        for name, value in want.items():
-            scale = max(abs(value).max(), 1e-6)
-            assert abs(got[name] - value).max() / scale <= limit, (name, tg)
+        for name, value in want.items():     # a gradient that is exactly zero (the sum of a
+            # softmax) comes out at rounding level: float32's epsilon of the loss's unit seed
+            assert abs(got[name] - value).max() <= limit * abs(value).max() + FLOAT32_EPS, (name, tg)
         compared.append(tg)
 
     gradients_agree()

@@ -3,7 +3,8 @@
 The rules are applied as `remat apply` applies them (backends.onnx.rewrite.apply_rules: chunk
 regions built as Loops, then the recompute plans), and both graphs run in a default session
 with one thread, so a recomputed value is bit-identical to the original and any difference is
-the rewrite's.
+the rewrite's. They are written with the leaves last, their peaks not estimated: only the numbers
+are compared.
 """
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: st
     """The original's outputs and those of its rewrite with `config` (by default every plan the
     rules offer, compromises included). Unrunnable when ONNX Runtime cannot run the original."""
     try:
-        original = run_model(export_model(_with_tensor_payloads(tg.graph)), tg.feeds)
+        original = run_model(export_model(_with_tensor_payloads(tg.graph), estimate=False), tg.feeds)
     except Exception as exc:      # noqa: BLE001 - ONNX Runtime lacks a kernel: not the rules' fault
         raise Unrunnable(f"onnx: the original graph does not run: {exc}") from None
     if config is None:       # every plan the rules offer, compromises (type 2) included
         planning = plan_all(lambda fold: tg.graph, rules, tuple(tiers), strict=True)
         config = ",".join(p.config_string() for p in planning.plans) or None
     done = apply_rules(tg.graph, rules, config, tiers, strict=True)
-    rewritten = run_model(export_model(_with_tensor_payloads(done.graph)), tg.feeds)
+    rewritten = run_model(export_model(_with_tensor_payloads(done.graph), estimate=False), tg.feeds)
     applied = []
     for result in (done.chunk_result, done.result):
         if result is None:
