@@ -104,21 +104,6 @@ def test_a_mixture_of_experts_rewrite_recomputes_the_gathered_expert_weights(bat
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def _onnx_runtimes_shapes(model: onnx.ModelProto) -> dict[str, list]:
-    """The shape ONNX Runtime's session infers for each value a node writes (sequences aside),
-    read back as graph outputs: [] where it knows none (or a scalar), None for an unknown dim."""
-    import onnxruntime as ort
-
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    present = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for node in probe.graph.node
-                              if node.op_type not in ("Loop", "SplitToSequence", "SequenceConstruct")
-                              for name in node.output if name and name not in present)
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    return {o.name: o.shape for o in session.get_outputs()}
-
-
 @pytest.mark.parametrize("experts", ["batched_experts", "gated_experts"])
 @pytest.mark.parametrize("rewritten", [False, True], ids=["original", "rewrite"])
 def test_the_peak_model_claims_no_shape_onnx_runtime_lacks(request, experts, rewritten):
@@ -128,11 +113,12 @@ def test_the_peak_model_claims_no_shape_onnx_runtime_lacks(request, experts, rew
     matmul, ORT knows no shape of the halves, nor of what they are multiplied into). Every value of
     the step, against the shape ORT's own session infers for it."""
     from backends.onnx.ort_order import ort_view, written_graph
+    from backends.onnx.runtime import inferred_shapes
 
     model, _ = request.getfixturevalue(experts)
     if rewritten:
         model = export_model(apply_rules(import_model(model), load_rules()).graph)
-    ort_shapes = _onnx_runtimes_shapes(model)
+    ort_shapes = inferred_shapes(model)
     view = ort_view(written_graph(model))
     claimed = [(o.name, o.shape, ort_shapes[o.name]) for node in view.order for o in node.outputs
                if o.name in ort_shapes and o.shape and id(o) not in view.unknown_shape

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -72,6 +73,9 @@ from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
 from engine.errors import RematError
 from engine.ir import Graph, Node, Value
+
+if TYPE_CHECKING:
+    from .ort_schedule import OrtSchedule
 
 ORT_ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
 # CPU kernels that write their output over input 0 when it is that input's last use and the sizes
@@ -563,15 +567,9 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             if target is not None and op == "Reshape" and ins[0] is not None:
                 result = _reshape_known(ins[0], list(target))
             elif target is not None and all(d > 0 for d in target):
-                if op != "Expand":
-                    result = tuple(target)
-                elif ins[0] is not None:
-                    result = _broadcast_known([ins[0], tuple(target)])
-                else:
-                    result = None       # an input of unknown rank: the Expand's is unknown too
+                result = tuple(target) if op != "Expand" else _broadcast_known([ins[0], tuple(target)])
         if result is True:
-            data = [d for v, d in zip(node.inputs, ins) if v is not None and not v.is_initializer]
-            if any(d is None or any(x is None for x in d) for d in data):
+            if any(d is None or any(x is None for x in d) for _, d in read):
                 for o in outs:
                     known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
         elif result is None or any(x is None for x in result):
@@ -669,11 +667,15 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
     from .ort_schedule import schedule_for_onnxruntime
 
     if isinstance(model_or_graph, Graph):
-        schedule = schedule_for_onnxruntime(model_or_graph)
-        return schedule.written if schedule.written is not None else _read_back(schedule.graph)
+        return _written(schedule_for_onnxruntime(model_or_graph))
     graph = import_model(model_or_graph)
     fill_shapes(graph, graph.dim_examples)
     return graph
+
+
+def _written(schedule: OrtSchedule) -> Graph:
+    """The file the exporter writes for `schedule`, read back: the one it estimated, if it did."""
+    return schedule.written if schedule.written is not None else _read_back(schedule.graph)
 
 
 def _read_back(scheduled: Graph) -> Graph:
@@ -853,4 +855,5 @@ def estimated_ort_peak(model_or_graph: Graph | onnx.ModelProto | str | Path) -> 
         schedule = schedule_for_onnxruntime(model_or_graph)
         if schedule.estimate is not None:       # the exporter estimated it when it chose the placement
             return schedule.estimate
+        return _simulate(_written(schedule))
     return _simulate(written_graph(model_or_graph))

@@ -30,6 +30,7 @@ bitwise equal.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.analysis import PeakEstimate
@@ -163,21 +164,19 @@ class OrtSchedule:
     estimates: dict[str, int] = field(default_factory=dict)   # layout -> estimated peak bytes
 
 
-def leaf_layouts(graph: Graph) -> list[tuple[str, Graph]]:
-    """The two ways the exporter can place the leaves: last, in reverse schedule order (the
-    walk runs each weight gradient right after its layer), and where the schedule put them
-    (ORT's walk then reaches a leaf only after every leaf written later)."""
+def leaf_layouts(graph: Graph) -> Iterator[tuple[str, Graph]]:
+    """The two ways the exporter can place the leaves, each built when asked for: last, in
+    reverse schedule order (the walk runs each weight gradient right after its layer), and where
+    the schedule put them (ORT's walk then reaches a leaf only after every leaf written later)."""
     work = graph.copy()
     drop_dead_nodes(work)
     fold_output_transposes(work)
     last = work.copy()
     leaves_last(last)
-    layouts = []
     for name, g in ((LEAVES_LAST, last), (AS_SCHEDULED, work)):
         g.link()
         g.verify()
-        layouts.append((name, g))
-    return layouts
+        yield name, g
 
 
 def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate: bool = True) -> OrtSchedule:
@@ -201,11 +200,12 @@ def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate:
 
     layouts = leaf_layouts(graph)
     if not estimate:
-        return OrtSchedule(layouts[0][1], layouts[0][0])
+        name, g = next(layouts)         # leaves last; the other placement is never built
+        return OrtSchedule(g, name)
     scheduled: list[OrtSchedule] = []
     for name, g in layouts:
         try:
-            written, estimate = estimated_written_peak(g)
+            written, peak = estimated_written_peak(g)
         except ExportBug:
             raise
         except Exception as exc:
@@ -214,8 +214,8 @@ def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate:
             warnings.warn(f"remat: ONNX Runtime's peak could not be estimated for the leaves placed "
                           f"{name} ({type(exc).__name__}: {exc}); the leaves are written last", stacklevel=2)
             return scheduled[0] if scheduled else OrtSchedule(g, name)
-        scheduled.append(OrtSchedule(g, name, written, estimate))
-        if estimate.peak_bytes is None:
+        scheduled.append(OrtSchedule(g, name, written, peak))
+        if peak.peak_bytes is None:
             return scheduled[0]         # leaves last (the first placement), its estimate unknown
     best = min(scheduled, key=lambda s: s.estimate.peak_bytes)     # the first on a tie
     best.estimates = {s.layout: s.estimate.peak_bytes for s in scheduled}

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,26 @@ def make_session(model: onnx.ModelProto | str | Path, threads: int = 1, arena: b
                                     providers=["CPUExecutionProvider"] if cpu_only else providers())
     except Exception as exc:
         raise RematError(f"{_name(model)}: ONNX Runtime could not load it: {_one_line(exc)}") from None
+
+
+# Ops whose outputs a graph output cannot hold as a tensor (sequences), or whose shapes a Loop's
+# inference leaves to its body.
+_NOT_PROBED = frozenset({"Loop", "SplitToSequence", "SequenceConstruct", "SequenceEmpty"})
+
+
+def inferred_shapes(model: onnx.ModelProto, names: Iterable[str] | None = None) -> dict[str, list]:
+    """The shape ONNX Runtime's session infers for each of `names` (by default every value a
+    node writes, sequences and Loops aside), read back by declaring them graph outputs of a copy,
+    without types: a list of dims, None for an unknown dim, [] for no shape at all (or a scalar).
+    Nothing runs. What its allocation planner knows: it reuses a buffer only for a known shape."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    if names is None:
+        names = [name for node in probe.graph.node if node.op_type not in _NOT_PROBED for name in node.output if name]
+    present = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in dict.fromkeys(names)
+                              if name not in present)
+    return {o.name: o.shape for o in make_session(probe, cpu_only=True).get_outputs()}
 
 
 def _name(model: onnx.ModelProto | str | Path) -> str:
