@@ -14,7 +14,7 @@ from torch.nn import functional as F  # noqa: E402
 from backends.onnx.exporter import export_model  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
 from backends.onnx.ort_order import estimated_ort_peak  # noqa: E402
-from backends.onnx.ort_schedule import AS_SCHEDULED, LEAVES_LAST, schedule_for_onnxruntime  # noqa: E402
+from backends.onnx.ort_schedule import LeafLayout, schedule_for_onnxruntime  # noqa: E402
 from backends.onnx.rewrite import apply_rules  # noqa: E402
 from backends.onnx.runtime import measure, run  # noqa: E402
 from dsl.loader import load_rules  # noqa: E402
@@ -79,8 +79,8 @@ def test_a_mixture_of_experts_round_trip_keeps_the_original_peak(batched_experts
     original = measure(model, feeds, repeats=1).peak_above_rest
     graph = import_model(model)
     schedule = schedule_for_onnxruntime(graph)
-    assert schedule.layout == AS_SCHEDULED
-    assert schedule.estimates[LEAVES_LAST] > 1.4 * schedule.estimates[AS_SCHEDULED]
+    assert schedule.layout is LeafLayout.AS_SCHEDULED
+    assert schedule.estimates[LeafLayout.LAST] > 1.4 * schedule.estimates[LeafLayout.AS_SCHEDULED]
     written = export_model(graph)
     measured = measure(written, feeds, repeats=1).peak_above_rest
     assert measured < 1.05 * original, (measured / 2**20, original / 2**20)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 from engine.analysis import PeakEstimate
 from engine.failures import resolve_strict
@@ -146,8 +147,14 @@ def leaves_last(graph: Graph) -> None:
     graph.nodes = [n for n in graph.nodes if id(n) not in ids] + leaves[::-1]
 
 
-LEAVES_LAST = "leaves last"
-AS_SCHEDULED = "as scheduled"
+class LeafLayout(str, Enum):
+    """Where the exporter writes the leaves (nodes nobody reads: the weight gradients)."""
+
+    LAST = "leaves last"             # at the end, in reverse schedule order
+    AS_SCHEDULED = "as scheduled"    # where the schedule put them
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -158,13 +165,13 @@ class OrtSchedule:
     placements' peaks when both are known."""
 
     graph: Graph
-    layout: str
+    layout: LeafLayout
     written: Graph | None = None
     estimate: PeakEstimate | None = None
-    estimates: dict[str, int] = field(default_factory=dict)   # layout -> estimated peak bytes
+    estimates: dict[LeafLayout, int] = field(default_factory=dict)   # estimated peak bytes
 
 
-def leaf_layouts(graph: Graph) -> Iterator[tuple[str, Graph]]:
+def leaf_layouts(graph: Graph) -> Iterator[tuple[LeafLayout, Graph]]:
     """The two ways the exporter can place the leaves, each built when asked for: last, in
     reverse schedule order (the walk runs each weight gradient right after its layer), and where
     the schedule put them (ORT's walk then reaches a leaf only after every leaf written later)."""
@@ -173,7 +180,7 @@ def leaf_layouts(graph: Graph) -> Iterator[tuple[str, Graph]]:
     fold_output_transposes(work)
     last = work.copy()
     leaves_last(last)
-    for name, g in ((LEAVES_LAST, last), (AS_SCHEDULED, work)):
+    for name, g in ((LeafLayout.LAST, last), (LeafLayout.AS_SCHEDULED, work)):
         g.link()
         g.verify()
         yield name, g

@@ -17,7 +17,7 @@ from ..matcher import Match, MatchContext, Reason
 from ..patterns import Recompute, Save
 from ..plan_type import PlanType
 from ..shapes import Dim, simplify
-from .replay import BoundReplay, bind, instantiate, replay_for
+from .replay import BoundReplay, bound_replay, instantiate
 
 MAX_REGION_NODES = 64
 
@@ -157,13 +157,7 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
     def replay(node: Node, value: Value) -> Reason | None:
         """A nondeterministic node runs again as its replay: the outputs that keep its random
         values are kept (a new stash where they were not), the inputs its template reads grown."""
-        declared = replay_for(rules, node)
-        if declared is None:
-            return Reason(action.location,
-                          f"{node.name} ({node.op}) is nondeterministic: recomputing it would not "
-                          f"reproduce its random values (no `replay` declaration for {node.op}), so "
-                          f"%{value.name} cannot be recomputed")
-        bound = bind(declared, node)
+        bound = bound_replay(rules, node)
         if isinstance(bound, str):
             return Reason(action.location, f"{bound}, so %{value.name} cannot be recomputed")
         if value is not bound.replayed:

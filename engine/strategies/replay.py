@@ -62,6 +62,16 @@ def replay_for(rules, node: Node) -> Replay | None:
     return rules.replays.get(node.op) or rules.replays.get(node.native_op or "")
 
 
+def bound_replay(rules, node: Node) -> BoundReplay | str:
+    """The rules' replay of the nondeterministic `node`, bound to it, or why there is none (no
+    declaration for its op, or one naming an input or output the node lacks)."""
+    declared = replay_for(rules, node)
+    if declared is None:
+        return (f"{node.name} ({node.op}) is nondeterministic, and no `replay` declaration for {node.op} "
+                f"says how to run it again from what it drew")
+    return bind(declared, node)
+
+
 def bind(replay: Replay, node: Node) -> BoundReplay | str:
     """The declaration's captures on `node`, or why they do not bind (an input or an output the
     declaration names is absent)."""

@@ -57,7 +57,7 @@ from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, is_static, simplify
-from ..replay import BoundReplay, bind, replay_for
+from ..replay import BoundReplay, bound_replay
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, RefusedUnproven, attr_text, dim_map, norm_dim,
                     rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
@@ -809,12 +809,10 @@ class _Grower:
     def replay(self, node: Node, read: Value) -> BoundReplay:
         """How the backward slices compute `read`, an output of the random `node` the forward
         slices ran: from the outputs its replay keeps. Refused where the rules declare none."""
-        declared = replay_for(self.rules, node)
-        bound = bind(declared, node) if declared is not None else (
-            f"no `replay` declaration for {node.op} says how to run it again from what it drew")
+        bound = bound_replay(self.rules, node)
         if isinstance(bound, str):
-            raise Refused(f"{node.op} {node.name} draws random numbers in the forward slices, which the "
-                          f"backward slices read (%{read.name}): {bound}")
+            raise Refused(f"the forward slices draw random numbers the backward slices read (%{read.name}): "
+                          f"{bound}")
         if read is not bound.replayed and all(read is not s for s in bound.saved):
             raise Refused(f"{node.op} {node.name}: the backward slices read %{read.name}, which its replay "
                           f"neither keeps nor computes again")
