@@ -549,9 +549,10 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             continue
         ins = [dims(v) for v in node.inputs]
         read = [(v, d) for v, d in zip(node.inputs, ins) if v is not None and not v.is_initializer]
-        if op in _SHAPE_OF_INPUT:
-            k = _SHAPE_OF_INPUT[op]
-            read = [(node.inputs[k], ins[k])] if k < len(node.inputs) and node.inputs[k] is not None else []
+        shaped_by = _SHAPE_OF_INPUT.get(op)
+        if shaped_by is not None:
+            source = node.inputs[shaped_by] if shaped_by < len(node.inputs) else None
+            read = [(source, ins[shaped_by])] if source is not None else []
         if op not in _RANK_WITHOUT_INPUT_SHAPES and any(d is None for _, d in read):
             for o in outs:              # ONNX's inference gives no shape at all when an input has none
                 known[id(o)] = None
@@ -563,9 +564,8 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
                 known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
             continue
         result: Dims | bool = True        # True: as the IR says, if every input is fully known
-        if op in _SHAPE_OF_INPUT:
-            k = _SHAPE_OF_INPUT[op]
-            result = ins[k] if k < len(ins) else True
+        if shaped_by is not None:
+            result = ins[shaped_by] if shaped_by < len(ins) else True
         elif op == "Shape" and ins and ins[0] is not None and "start" not in node.attrs and "end" not in node.attrs:
             result = (len(ins[0]),)
         elif op in _BROADCASTS and all(d is not None for d in ins):
@@ -832,23 +832,11 @@ def _infer(node: Node, examples: dict[str, int]) -> tuple[int, ...] | None:
     if op == "Expand" and ins[0] is not None and len(node.inputs) > 1:
         target = _shape_of(node.inputs[1], examples)
         return None if target is None else _broadcast_dims(ins[0], target)
-    if op == "Reshape" and ins[0] is not None and len(node.inputs) > 1 and node.inputs[1] is not None:
+    if op == "Reshape" and ins[0] is not None and len(node.inputs) > 1:
         target = node.inputs[1]
-        if target.producer is not None and target.producer.op == "Shape" and \
-                _dims(target.producer.inputs[0], examples) is not None:
-            return _dims(target.producer.inputs[0], examples)
-        if target.ints is not None:
-            dims = [ins[0][k] if d == 0 else d for k, d in enumerate(target.ints)]
-            if -1 in dims:
-                known = 1
-                for d in dims:
-                    if d != -1:
-                        known *= d
-                total = 1
-                for d in ins[0]:
-                    total *= d
-                dims[dims.index(-1)] = total // max(known, 1)
-            return tuple(dims)
+        if target is not None and target.ints is not None:
+            return _reshape_known(ins[0], list(target.ints))
+        return _shape_of(target, examples)      # Reshape(x, Shape(y)): y's dims
     if op == "Slice" and ins[0] is not None and len(node.inputs) >= 3:
         starts, ends = node.inputs[1], node.inputs[2]
         axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else None
