@@ -96,13 +96,13 @@ def cmd_analyze(args) -> int:
     from engine.plans import select
     from engine.report import plan_json, plan_table
 
+    budget = _budget(args)
     with progress(f"planning {args.model}"):
         graph = _load(args)
         planning = plan_all(lambda fold: graph, _rules(args.rules), tuple(args.tier), _forward(args))
         device = profile_for(args.device)
         annotate_costs(planning, device)
         choice = None
-        budget = _budget(args)
         if budget is not None:
             choice = choose(planning, graph, budget, device)
             choice.mark(planning.plans)
@@ -143,10 +143,10 @@ def cmd_apply(args) -> int:
     copy_inputs = inputs.is_file() and inputs_target.resolve() != inputs.resolve()
     if copy_inputs:
         _writable_file(str(inputs_target), "-o (its inputs file)")
+    budget = _budget(args)
     with progress(f"rewriting {args.model}"):
         graph = _load(args)
         device = None
-        budget = _budget(args)
         if budget is not None:
             from backends.device import profile_for
 
@@ -169,7 +169,10 @@ def _budget(args):
 
     if getattr(args, "ratio", None) is not None:
         return parse_ratio(args.ratio)
-    return None if args.budget is None else parse_budget(args.budget)
+    budget = None if args.budget is None else parse_budget(args.budget)
+    if budget is not None and budget.free:
+        budget.limit(0)         # the free budget's ConfigError: an ONNX graph meets its device later
+    return budget
 
 
 def cmd_explain(args) -> int:

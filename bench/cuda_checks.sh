@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the budget planner and of GPU speed (issues 13 and 14), on a lent CUDA device.
 # Each step has its own time limit and writes its log under $OUT (default /tmp/remat-cuda) as it
-# goes, so one slow configuration costs nothing else. Steps: budget, table, unbudgeted, real, sdpa,
-# scale.
+# goes, so one slow configuration costs nothing else. Steps: budget, table, fit, unbudgeted, real,
+# sdpa, scale.
 #
 #     bash bench/cuda_checks.sh budget table      # the budget sweep, then issue 14's four configurations
 set -u
@@ -25,6 +25,10 @@ for what in "$@"; do
     table)    # issue 14: GPT-like d256, 4 layers, seq 512 at vocab 32768, batch 4 (vocab 4096 is the budget sweep's)
         step table32768 200 $PY bench/torch_step.py --device cuda --repeats 20 --json --vocab 32768 --batch 4 \
             --configs eager compile budget-0.1 remat-budget-0.6 remat-budget-0.5 ;;
+    fit)      # the fastest step that fits a smaller GPU: the allocator capped at 320 MiB (torch.compile
+              # took 462 MiB above ~22 MiB of weights and batch on an H100), so compile runs out of memory
+        step fit 300 $PY bench/torch_step.py --device cuda --repeats 20 --json --device-memory 320 \
+            --configs compile budget-0.1 remat-budget-free-0 remat ;;
     unbudgeted)   # every plan the rules match, as before the planner
         step unbudgeted 200 $PY bench/torch_step.py --device cuda --repeats 20 --json --configs remat remat-expensive ;;
     real)     # issue 14: the model of real size

@@ -2,7 +2,9 @@
 
 Configurations: eager, per-block torch.utils.checkpoint, torch.compile (Inductor), the
 partitioner's activation_memory_budget at 0.5 and 0.1, and torch.compile(backend="remat")
-with the shipped rules (default tier, and --tier expensive). Peak is the whole process's
+with the shipped rules (default tier, and --tier expensive); `remat-budget-B` gives the planner
+the budget B (`0.6`, `400MiB`, or `free`: what the device has free; `free-0`: keeping nothing
+back for an optimizer, which this step has none of). Peak is the whole process's
 VmHWM during one step after two warm-up steps (MALLOC_MMAP_THRESHOLD_=65536, clear_refs),
 as docs/design.md measures it; on a GPU, torch.cuda.max_memory_allocated. Step time is the median
 of --repeats steps in another process, with the default allocator (see main()); with --rounds R,
@@ -99,6 +101,11 @@ def child(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.device_memory:
+        # A smaller device: the caching allocator refuses what would take it past this, as a GPU
+        # of that size would (remat's `free` budget reads the cap, backends/fx/free_memory.py).
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_memory * 2**20 / total), device)
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
                     heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift,
@@ -240,6 +247,9 @@ def main() -> None:
                           ("seq", 512), ("threads", 2), ("repeats", 3), ("timeout", 1200)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device-memory", type=float, metavar="MiB",
+                    help="on CUDA, cap the process's allocator at MiB (a smaller GPU): a configuration "
+                         "that needs more fails out of memory; remat-budget-free fits what the cap leaves")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout probability (training mode)")
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--label-shift", action="store_true",
@@ -261,6 +271,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/remat-torch-step"))
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line, last")
     args = ap.parse_args()
+    if args.device_memory is not None and not args.device.startswith("cuda"):
+        ap.error("--device-memory caps CUDA's caching allocator: give --device cuda")
     if args.nanogpt:
         if not args.nanogpt.is_file():
             ap.error(f"--nanogpt {args.nanogpt}: no such file (give the model.py of a nanoGPT checkout)")

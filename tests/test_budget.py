@@ -12,7 +12,7 @@ from backends.onnx.importer import import_model
 from backends.onnx.rewrite import apply_rules
 from backends.onnx.runtime import max_relative_error, run
 from dsl.loader import load_rules
-from engine.budget import BudgetError, choose, parse_budget, preset
+from engine.budget import Budget, BudgetError, choose, parse_budget, preset
 from engine.budget.solve import MIP_GAP, Option, applied, lowest_peak, solve
 from engine.driver import plan_all
 from engine.errors import ConfigError
@@ -34,6 +34,26 @@ def test_budgets_as_fractions_and_bad_budgets():
     for bad in ("", "0", "-1", "1.5", "abc", "12 parsecs", "nanMiB", "1e40GiB", True):
         with pytest.raises(ConfigError, match="budget"):
             parse_budget(bad)
+
+
+def test_a_free_budget_is_the_free_memory_less_a_reserve_and_a_tenth():
+    assert parse_budget("free") == Budget(free=True)
+    assert parse_budget("FREE - 2GiB") == Budget(free=True, reserve=2 * 2**30)
+    assert parse_budget("free-0").reserve == 0 and str(parse_budget("free-512MiB")) == "free-512.00MiB"
+    # 10 GiB free, 1 GiB kept back: 0.9 x 9 GiB = 8.1 GiB, rounded down to 1/64 of 8 GiB
+    resolved = parse_budget("free").on_device(10 * 2**30, 2**30)
+    assert resolved.bytes == 8 * 2**30 and not resolved.free
+    assert parse_budget("free-3GiB").on_device(10 * 2**30, 2**30).bytes == int(0.9 * 7 * 2**30) // 2**27 * 2**27
+    assert parse_budget("free").on_device(2**30, 2 * 2**30).bytes == 1   # nothing left: the planner's error
+    for bad in ("free-", "free-2X", "free-1.5", "free+1GiB", "freely"):
+        with pytest.raises(ConfigError, match="budget"):
+            parse_budget(bad)
+    # Unresolved (no device measured it: an ONNX graph, the engine's planner), it is refused, saying why
+    with pytest.raises(ConfigError, match="free on the device the step runs on"):
+        parse_budget("free").limit(2**20)
+    _, _, graph = _mlp([256, 256], ["Gelu", "Relu"], 0)
+    with pytest.raises(ConfigError, match="give bytes"):
+        apply_rules(graph, RULES, budget="free", device=DEVICE)
 
 
 def _random_options(draw_ints, n_steps: int, n_options: int) -> tuple[list[int], list[Option]]:
@@ -209,6 +229,9 @@ def test_the_cli_plans_to_a_budget_and_shows_costs(tmp_path, capsys):
                  "--device", "cpu-default"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lowest estimated peak" in err
+    assert main(["analyze", str(path), "--budget", "free"]) == 1     # before importing the model
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no device yet" in err
 
 
 def test_pareto_writes_a_picture_and_json(tmp_path, capsys):

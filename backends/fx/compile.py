@@ -36,6 +36,7 @@ from engine.failures import PlanFailure, Site, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
 from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
+from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
 from engine.shapes import format_bytes
@@ -44,6 +45,7 @@ from engine.strategies.chunk import ChunkRegion
 from backends.device import profile_for
 
 from .chunk import _propagate_fake, apply_chunk
+from .free_memory import FreeMemoryUnknown, free_bytes, input_device, optimizer_reserve
 from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
 from .modules import working_module
 from .normalize import strided_copies_as_clones
@@ -232,6 +234,9 @@ class RematPass(CustomGraphPass):
         self.rules = rules
         self.config = config
         self.budget = None if budget is None else parse_budget(budget)
+        # `free`: resolved into bytes at each compile (on_device), from what the device has free then
+        self.free_budget = self.budget if self.budget is not None and self.budget.free else None
+        self.free_resolved: list[str] = []       # each compile's resolution of the free budget, as reported
         self.device = device                      # a DeviceProfile, or a name resolved per graph
         self.tiers = tuple(tiers)
         self.report = report
@@ -256,6 +261,32 @@ class RematPass(CustomGraphPass):
         if message not in self.notices:
             self.notices.append(message)
             warnings.warn(message, UserWarning, stacklevel=3)
+
+    def on_device(self, example_inputs) -> None:
+        """Resolve a `free` budget for the graph about to compile, from what its inputs' device
+        has free now, less the reserve (the one written, else the optimizer state to come). A
+        device whose free memory cannot be read is the caller's error in strict mode; otherwise
+        the graph is planned without a budget (every plan the rules match), with a warning."""
+        device = input_device(example_inputs)
+        try:
+            free = free_bytes(device)
+        except FreeMemoryUnknown as err:
+            if self.strict:
+                raise ConfigError(f"budget {self.free_budget}: {err}; give bytes (400MiB) or a fraction "
+                                  f"(0.6)") from None
+            self.warn(f"remat: budget {self.free_budget}: {err}; planning without a budget")
+            self.budget = None
+            return
+        reserve = optimizer_reserve(example_inputs)
+        self.budget = self.free_budget.on_device(free, reserve)
+        kept = (f"{format_bytes(reserve)} kept back (twice the trainable parameters: an Adam optimizer's "
+                f"state, made after the compile; free-SIZE keeps SIZE instead)" if self.free_budget.reserve is None
+                else f"{format_bytes(self.free_budget.reserve)} kept back")
+        line = (f"remat: budget {self.free_budget} on {device}: {format_bytes(free)} free, {kept}, "
+                f"{FREE_HEADROOM:.0%} left to the allocator: {format_bytes(self.budget.bytes)}")
+        self.free_resolved.append(line)
+        if self.report is not None:
+            self.report(line)
 
     def _skipped(self, failure: PlanFailure) -> None:
         self.warn(f"remat: {failure}; compiling without that plan")
@@ -282,7 +313,8 @@ class RematPass(CustomGraphPass):
                 if self.strict:
                     raise
                 # The user's step still runs: with the plans that reach the lowest peak there is.
-                self.warn(f"remat: {err}; compiling with the plans that reach that lowest peak")
+                resolved = f" ({self.free_resolved[-1].removeprefix('remat: ')})" if self.free_budget else ""
+                self.warn(f"remat: {err}{resolved}; compiling with the plans that reach that lowest peak")
                 done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
                                on_failure=self._skipped, budget=Budget(bytes=max(err.lowest, 1)), device=device)
             builder.commit()
@@ -342,8 +374,10 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
     the shipped library by default) applied to the joint graph. `strict`
     (default: the REMAT_STRICT environment variable) raises remat's internal errors instead
-    of compiling without the plan, or the graph without remat. `budget` (`"400MiB"`, or a
-    fraction of the estimated peak, `0.6`): the planner chooses the fastest plans that fit,
+    of compiling without the plan, or the graph without remat. `budget` (`"400MiB"`, a
+    fraction of the estimated peak, `0.6`, or `"free"`: what the device has free when the graph
+    compiles, less the optimizer state to come or the SIZE of `"free-SIZE"`, less a tenth for
+    the allocator): the planner chooses the fastest plans that fit,
     for `device` (a name: `cpu`, `h100`, ...; by default where the graph's inputs are). `ratio`
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
@@ -377,6 +411,8 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
         # backward only scales the weight gradient, in place when the buffer is donated (measured:
         # 0.3-0.5 MiB off linear + cross-entropy's peak at 32 slices).
         reported = {} if remat_pass.report is None else {"enable_autograd_cache": False}
+        if remat_pass.free_budget is not None:
+            remat_pass.on_device(example_inputs)
         try:
             with inductor_config.patch(inductor_options), \
                     inductor_config.patch(joint_custom_pre_pass=remat_pass), \
