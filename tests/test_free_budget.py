@@ -97,6 +97,17 @@ def test_a_device_whose_free_memory_is_unknown():
         lenient.on_device(inputs)
     assert lenient.budget is None and lenient.free_budget is not None
 
+    def broken(device):
+        raise RuntimeError("CUDA driver error: unknown error")
+
+    lenient.budget = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fx_compile, "free_bytes", broken)
+        with pytest.warns(RuntimeWarning, match="reading the device's free memory failed"):
+            lenient.on_device(inputs)       # the step compiles, without a budget
+        with pytest.raises(RuntimeError, match="driver error"):
+            strict.on_device(inputs)
+
 
 def test_the_cpu_free_memory_is_the_kernels_within_the_cgroups_limits(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"

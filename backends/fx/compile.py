@@ -267,9 +267,10 @@ class RematPass(CustomGraphPass):
         has free now, less the reserve (the one written, else the optimizer state to come). A
         device whose free memory cannot be read is the caller's error in strict mode; otherwise
         the graph is planned without a budget (every plan the rules match), with a warning."""
-        device = input_device(example_inputs)
         try:
+            device = input_device(example_inputs)
             free = free_bytes(device)
+            reserve = optimizer_reserve(example_inputs)
         except FreeMemoryUnknown as err:
             if self.strict:
                 raise ConfigError(f"budget {self.free_budget}: {err}; give bytes (400MiB) or a fraction "
@@ -277,7 +278,13 @@ class RematPass(CustomGraphPass):
             self.warn(f"remat: budget {self.free_budget}: {err}; planning without a budget")
             self.budget = None
             return
-        reserve = optimizer_reserve(example_inputs)
+        except Exception as err:        # reading the device failed: the step still compiles
+            if self.strict:
+                raise
+            self.warn(f"remat: budget {self.free_budget}: reading the device's free memory failed "
+                      f"({type(err).__name__}: {err}); planning without a budget")
+            self.budget = None
+            return
         self.budget = self.free_budget.on_device(free, reserve)
         kept = (f"{format_bytes(reserve)} kept back (twice the trainable parameters: an Adam optimizer's "
                 f"state, made after the compile; free-SIZE keeps SIZE instead)" if self.free_budget.reserve is None
