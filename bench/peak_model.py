@@ -12,7 +12,10 @@ the exported original, `remat apply` (default tier) and `remat apply --tier expe
 
 and the ratios estimate / measured. The last line is the worst `ORT est` ratio (furthest from 1).
 
-    python bench/peak_model.py [--configs 4096:8 32768:4] [--out DIR]
+    python bench/peak_model.py [--configs 4096:8 32768:4] [--out DIR] [--dynamic]
+
+`--dynamic` exports the batch and sequence dims symbolic (`batch`, `seq`), with torch.onnx's
+value_info for every value, as users' exports often are.
 
 `--out DIR` keeps the exported models there and reuses them on the next run (export takes a
 minute at vocab 32768).
@@ -45,13 +48,13 @@ from engine.analysis import estimate_peak  # noqa: E402
 MIB = 2**20
 
 
-def exported(vocab: int, batch: int, out: Path) -> Path:
-    path = out / f"gpt_v{vocab}_b{batch}.onnx"
+def exported(vocab: int, batch: int, out: Path, dynamic: bool = False) -> Path:
+    path = out / f"gpt_{'dyn_' if dynamic else ''}v{vocab}_b{batch}.onnx"
     if path.exists() and path.with_suffix(".inputs.npz").exists():
         return path
     from backends.onnx.torch_export import export_gpt
 
-    export_gpt(GPTConfig(vocab=vocab, batch=batch), path)
+    export_gpt(GPTConfig(vocab=vocab, batch=batch), path, dynamic=dynamic)
     return path
 
 
@@ -59,6 +62,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["4096:8", "32768:4"], help="VOCAB:BATCH")
     ap.add_argument("--out", type=Path, default=None, help="keep (and reuse) the exported models here")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="export with the batch and sequence dims symbolic (torch.onnx dynamic_shapes), "
+                         "as users often export")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="remat-peak-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +72,7 @@ def main() -> None:
     rows = []
     for config in args.configs:
         vocab, batch = (int(x) for x in config.split(":"))
-        path = exported(vocab, batch, out)
+        path = exported(vocab, batch, out, args.dynamic)
         feeds = dict(np.load(path.with_suffix(".inputs.npz")))
         graph = import_model(path)
         cases = [("original", graph, path)]
@@ -79,7 +85,7 @@ def main() -> None:
             seconds = time.perf_counter() - started
             schedule = estimate_peak(ir, rules.views)
             measured = measure(model, feeds, repeats=1)
-            rows.append((f"vocab {vocab}, batch {batch}", label, schedule.peak_bytes, ort.peak_bytes,
+            rows.append((f"vocab {vocab}, batch {batch}{' dyn' if args.dynamic else ''}", label, schedule.peak_bytes, ort.peak_bytes,
                          measured.peak_above_rest, seconds, ort))
             print(f"  {rows[-1][0]}, {label}: ORT est {ort.peak_bytes / MIB:.1f} MiB, measured "
                   f"{measured.peak_above_rest / MIB:.1f} MiB", flush=True)

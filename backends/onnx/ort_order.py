@@ -165,13 +165,19 @@ class OrtView:
     order: list[Node]
     unknown_shape: set[int] = field(default_factory=set)
     orders: dict[int, list[Node]] = field(default_factory=dict)   # id(subgraph) -> its order
+    # The symbolic dims of the graph's inputs, which ORT reads from the feeds at run time: a dim
+    # of any other symbol (the importer's `unk__N`) is one ORT's inference does not know.
+    symbols: frozenset = frozenset()
+    # The values whose shape the model file states (value_info, outputs), which ORT starts from.
+    declared: frozenset = frozenset()
 
 
-def ort_view(graph: Graph) -> OrtView:
+def ort_view(graph: Graph, declared: frozenset = frozenset()) -> OrtView:
     """ORT's rewrites of `graph` (a copy; `graph` is the graph as written, nodes in file order),
-    its node indices and execution order, in every subgraph too."""
+    its node indices and execution order, in every subgraph too. `declared`: the names of the
+    values whose shapes the file states (`declared_shapes`)."""
     work = graph.copy()
-    view = OrtView(work, {}, [], set())
+    view = OrtView(work, {}, [], set(), symbols=input_symbols(work), declared=declared)
     _rewrite(work, view, set())
     return view
 
@@ -199,7 +205,8 @@ def ort_constants(graph: Graph, outer_constant: set[int] | frozenset[int] = froz
     return constant, folded
 
 
-def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict | None) -> set[int]:
+def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict | None,
+                    symbols: frozenset, declared: frozenset) -> set[int]:
     """ORT's constant folding of `graph`, in place, to its fixed point: the folded nodes dropped,
     their outputs made initializers; returns the constant values (ids). A `Shape` folds only where
     ORT's inference knows its input's dims (a Loop body's `Shape` of a slice at a computed offset
@@ -209,7 +216,7 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
     resolve do, until nothing more folds."""
     constant = set(outer_constant)
     while True:
-        unknown = ort_unknown_shapes(graph, graph.nodes, outer_unknown)
+        unknown = ort_unknown_shapes(graph, graph.nodes, outer_unknown, symbols, declared)
         constant, folded = ort_constants(graph, constant, unknown)
         for v in graph.values():
             if id(v) in constant and not v.is_input:
@@ -223,7 +230,7 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
 def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
     index = ort_indices(graph)
     next_index = len(index)
-    constant = _fold_constants(graph, outer_constant, outer_unknown)
+    constant = _fold_constants(graph, outer_constant, outer_unknown, view.symbols, view.declared)
 
     _eliminate(graph)
     _merge_common(graph)
@@ -236,7 +243,7 @@ def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknow
     next_index = _fuse_transposes(graph, index, next_index, ("MatMul", "com.microsoft::FusedMatMul"))
 
     order = ort_order(graph, index)
-    unknown = ort_unknown_shapes(graph, order, outer_unknown)
+    unknown = ort_unknown_shapes(graph, order, outer_unknown, view.symbols, view.declared)
     view.unknown_shape |= set(unknown)
     for node in graph.nodes:
         for sub in node.subgraphs.values():
@@ -514,7 +521,23 @@ _BROADCASTS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "L
 Dims = tuple  # of int | None (unknown) per axis; None for an unknown rank
 
 
-def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] | None = None) -> dict[int, Dims]:
+def input_symbols(graph: Graph) -> frozenset:
+    """The symbols in the dims of `graph`'s inputs (`batch`, `seq`)."""
+    return frozenset(sym for v in graph.inputs if v.shape is not None for d in v.shape
+                     for sym in getattr(d, "free_symbols", ()))
+
+
+def _ort_dims(shape, symbols: frozenset) -> Dims:
+    """The IR's dims as ORT's inference can know them: a number, or a graph input's symbol (a
+    `dim_param`). Unknown (None): a symbol no graph input has (the importer's `unk__N`, a dim it
+    could not relate to the inputs) and an expression of symbols (`batch*seq`: ONNX's inference
+    does no arithmetic on dim_params)."""
+    return tuple(d if isinstance(d, int) or d.is_Integer or (d.is_Symbol and d in symbols) else None
+                 for d in shape)
+
+
+def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] | None = None,
+                       symbols: frozenset | None = None, declared: frozenset = frozenset()) -> dict[int, Dims]:
     """The dims ORT's shape inference gives each value (None where a dim is unknown), for the
     values whose shape it does not fully know; its allocation planner never reuses a buffer for
     them nor writes one in place (it compares shapes, not sizes). Unknown: a Loop's outputs
@@ -523,15 +546,23 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     inference rules carry them into: an elementwise op knows an axis when an input has a size
     above 1 there, a matmul takes M from A and N from B, a `Reshape` to a constant shape of
     positive dims knows it all, and none of them knows anything when an input has no shape at all
-    (None: a `SequenceAt` element). `outer`: the enclosing graphs' unknown values."""
+    (None: a `SequenceAt` element). A dim of a symbol that is no graph input's (`symbols`, by
+    default `graph`'s inputs': `batch`, `seq`) is unknown: the importer's inference named a dim it
+    could not relate to the inputs (`unk__N`), and ORT's knows no more. A value whose shape the
+    file states (`declared`, by name: the exporter's value_info) is known whatever inference
+    says: ORT starts from it and keeps the dims its inference cannot give. `outer`: the
+    enclosing graphs' unknown values."""
     known: dict[int, Dims] = dict(outer or {})
+    symbols = input_symbols(graph) if symbols is None else symbols
 
     def dims(v: Value | None) -> Dims:
         if v is None:
             return ()
         if id(v) in known:
             return known[id(v)]
-        return None if v.shape is None else tuple(v.shape)
+        if v.shape is not None and v.name in declared:
+            return tuple(v.shape)
+        return None if v.shape is None else _ort_dims(v.shape, symbols)
 
     def constant(v: Value) -> bool:
         return v.is_initializer or (v.ints is not None and v.producer is None)
@@ -539,8 +570,8 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     for node in order:
         op = node.op_type
         outs = list(node.outputs)
-        if not outs:
-            continue
+        if not outs or all(o.shape is not None and o.name in declared for o in outs):
+            continue            # no output, or the file states their shapes: ORT knows them
         ir = outs[0].shape
         rank_unknown = None if ir is None else (None,) * len(ir)
         if op == "Loop" or op in ("SplitToSequence", "SequenceConstruct", "SequenceEmpty"):
@@ -597,6 +628,10 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             if any(d is None or any(x is None for x in d) for _, d in read):
                 for o in outs:
                     known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+            else:
+                for o in outs:
+                    if o.shape is not None and any(x is None for x in _ort_dims(o.shape, symbols)):
+                        known[id(o)] = _ort_dims(o.shape, symbols)
         elif result is None or any(x is None for x in result):
             known[id(outs[0])] = result if result is not None else rank_unknown
             for o in outs[1:]:
@@ -624,19 +659,26 @@ def _reshape_known(src: Dims, target: list[int]) -> Dims:
 
 
 def _broadcast_known(shapes: list[Dims]) -> Dims:
-    """ONNX's broadcast inference over dims that may be unknown (None)."""
+    """ONNX's broadcast inference (multidirectionalBroadcastShapeInference) over dims that may be
+    symbols or unknown (None): a number other than 1 wins; else one symbol, where every dim that
+    is not 1 is that same symbol (or every one is unknown); else unknown."""
     n = max(len(s) for s in shapes)
     padded = [(1,) * (n - len(s)) + tuple(s) for s in shapes]
     out = []
     for col in zip(*padded):
-        sized = [d for d in col if d is not None and d != 1]
-        if sized:
-            out.append(sized[0])
-        elif all(d == 1 for d in col):
+        numbers = [d for d in col if d is not None and _is_number(d) and d != 1]
+        others = {d for d in col if d is None or not _is_number(d)}
+        if numbers:
+            out.append(numbers[0])
+        elif not others:
             out.append(1)
         else:
-            out.append(None)
+            out.append(others.pop() if len(others) == 1 else None)
     return tuple(out)
+
+
+def _is_number(d) -> bool:
+    return isinstance(d, int) or bool(getattr(d, "is_Integer", False))
 
 
 def ort_transient(node: Node, examples: dict[str, int]) -> int:
@@ -734,8 +776,29 @@ def estimated_written_peak(scheduled: Graph) -> tuple[Graph, PeakEstimate]:
     return graph, _simulate(graph)
 
 
-def _simulate(written: Graph) -> PeakEstimate:
-    view = ort_view(written)
+def declared_shapes(model: onnx.ModelProto | str | Path) -> frozenset:
+    """The names of the values whose whole shape `model` states (value_info and outputs, in
+    every subgraph), each dim a number or a name: ORT's graph resolve starts from them."""
+    from .importer import load_model
+
+    names = set()
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for info in list(graph.value_info) + list(graph.output):
+            t = info.type.tensor_type
+            if t.HasField("shape") and all(d.HasField("dim_value") or d.dim_param for d in t.shape.dim):
+                names.add(info.name)
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g)
+
+    visit(load_model(model).graph)
+    return frozenset(names)
+
+
+def _simulate(written: Graph, declared: frozenset = frozenset()) -> PeakEstimate:
+    view = ort_view(written, declared)
     return simulate_peak(view.graph, view.order, (), ort_memory_model(view))
 
 
@@ -886,4 +949,4 @@ def estimated_ort_peak(model_or_graph: Graph | onnx.ModelProto | str | Path) -> 
         if schedule.estimate is not None:       # the exporter estimated it when it chose the placement
             return schedule.estimate
         return _simulate(_written(schedule))
-    return _simulate(written_graph(model_or_graph))
+    return _simulate(written_graph(model_or_graph), declared_shapes(model_or_graph))
