@@ -89,7 +89,7 @@ def main() -> None:
                          measured.peak_above_rest, seconds, ort))
             print(f"  {rows[-1][0]}, {label}: ORT est {ort.peak_bytes / MIB:.1f} MiB, measured "
                   f"{measured.peak_above_rest / MIB:.1f} MiB", flush=True)
-    print(f"\n{'model':24}{'graph':30}{'schedule est':>14}{'ORT est':>10}{'measured':>10}"
+    print(f"\n{'model':26}{'graph':30}{'schedule est':>14}{'ORT est':>10}{'measured':>10}"
           f"{'sched/meas':>12}{'ORT/meas':>10}{'est s':>7}  peak at (ORT est)")
     worst = 1.0
     for model, label, schedule, ort_bytes, measured, seconds, ort in rows:
@@ -97,7 +97,7 @@ def main() -> None:
         worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
         node = ort.peak_node
         where = f"{node.op} {node.name}" if node is not None else "-"
-        print(f"{model:24}{label:30}{schedule / MIB:>14.1f}{ort_bytes / MIB:>10.1f}{measured / MIB:>10.1f}"
+        print(f"{model:26}{label:30}{schedule / MIB:>14.1f}{ort_bytes / MIB:>10.1f}{measured / MIB:>10.1f}"
               f"{schedule / measured:>12.3f}{ratio:>10.3f}{seconds:>7.2f}  {where}")
     print(f"\nmodels in {out}; MiB above the resting RSS; estimates at the models' example dims")
     print("worst ORT est / measured peak ratio:")

@@ -437,14 +437,20 @@ def loop_bytes(node: Node, body_peak: int, size: Callable[[Value], int]) -> tupl
     body's peak, the carried values the previous iteration handed over, the scan outputs of the
     iterations before; at its end: the last iteration's carried values and every iteration's scan
     outputs, not yet freed while they are copied into the Loop's outputs). The trip count is the
-    first input's constant value (1 if it has none)."""
+    first input's constant value; one computed in the graph (a dynamic model's slice count, from
+    `Shape`) is what the scan outputs say, their whole over one iteration's, and more than one
+    without them (a loop that runs once needs no Loop: the carried values' hand-over is counted)."""
     body = node.subgraphs["body"]
-    trip = 1
-    if node.inputs and node.inputs[0] is not None and node.inputs[0].ints:
-        trip = max(1, int(node.inputs[0].ints[0]))
     carried_count = max(0, len(node.inputs) - 2)
     carried = sum(size(v) for v in body.outputs[1:1 + carried_count])
     scans = sum(size(v) for v in body.outputs[1 + carried_count:])
+    if node.inputs and node.inputs[0] is not None and node.inputs[0].ints:
+        trip = max(1, int(node.inputs[0].ints[0]))
+    else:
+        ratios = [size(whole) / size(piece) for whole, piece in zip(node.outputs[carried_count:],
+                                                                      body.outputs[1 + carried_count:])
+                  if size(piece) > 0 and size(whole) > 0]
+        trip = max(2, round(max(ratios))) if ratios else 2
     during = body_peak + (carried if trip > 1 else 0) + (trip - 1) * scans
     after = carried + trip * scans
     return during, after
