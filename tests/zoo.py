@@ -1057,6 +1057,15 @@ def random_variant(rng, name: str = "random") -> Variant:
     """A random mix of the GPT switches and tiers (bench/zoo.py --hypothesis N; the tests draw
     theirs with Hypothesis)."""
     picks = {k: rng.choice(list(values)) for k, values in SWITCHES.items() if k != "model"}
+    if picks["random"] == "inductor" and picks["mlp"] == "relu":
+        # Under Inductor's random the reference is plain Inductor's step, and any rewrite changes
+        # Inductor's fusions and so the last bits of the forward: a ReLU input at the boundary
+        # then falls on the other side of 0 and its unit's gradient flips, a tie no tolerance
+        # absorbs (session 25, bench/zoo.py --seed 2512: one of 1M pre-activations, 9.5e-9 in
+        # plain Inductor's step and 0 in remat's, gave fc.weight's gradient a 3.3e-2 error; the
+        # saved dropout masks were equal). ReLU runs against eager's random numbers instead,
+        # where both compiled steps are measured against eager.
+        picks["mlp"] = rng.choice([m for m in MLPS if m != "relu"])
     return Variant(name=name, tiers=rng.choice([(), ("expensive",)]), **picks)
 
 
