@@ -94,8 +94,7 @@ def parse_budget(text: str | int | float | Budget) -> Budget:
     if free is not None:
         if free.group(1) is None:
             return Budget(free=True)
-        kept = _size(free.group(1), text, zero=True)
-        return Budget(free=True, reserve=kept)
+        return Budget(free=True, reserve=_size(free.group(1), text))
     m = _BUDGET.match(str(text))
     if m is None:
         raise ConfigError(f"budget {text!r}: expected bytes with a unit (400MiB, 1.5GiB), a fraction "
@@ -113,8 +112,8 @@ def parse_budget(text: str | int | float | Budget) -> Budget:
     return _bytes(number * SIZE_UNITS[unit], text)
 
 
-def _size(part: str, text: str, zero: bool = False) -> int:
-    """The bytes of `free-SIZE`'s SIZE: a number with a unit, or a whole number of bytes."""
+def _size(part: str, text: str) -> int:
+    """The bytes of `free-SIZE`'s SIZE: a number with a unit, or a whole number of bytes (0 too)."""
     m = _BUDGET.match(part)
     number = None if m is None else float(m.group(1))
     unit = "B" if m is None or not m.group(2) else m.group(2)
@@ -122,7 +121,7 @@ def _size(part: str, text: str, zero: bool = False) -> int:
         raise ConfigError(f"budget {text!r}: `free-SIZE` keeps SIZE back from the free memory: a size with "
                           f"a unit ({', '.join(SIZE_UNITS)}), like free-2GiB")
     value = number * SIZE_UNITS[unit]
-    if not math.isfinite(value) or value >= 2**63 or (value < 1 and not zero):
+    if not math.isfinite(value) or value >= 2**63:
         raise ConfigError(f"budget {text!r}: the size kept back must be below 8 EiB")
     return int(value)
 
