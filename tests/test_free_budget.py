@@ -159,3 +159,22 @@ def test_a_gpus_free_memory_counts_the_allocators_cache_within_its_cap(monkeypat
     assert free_memory.free_bytes(cuda) == 14 * gib      # the driver's 10 and the 4 cached, unallocated
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 0.5)
     assert free_memory.free_bytes(cuda) == 10 * gib      # capped at 40 of 80, 30 allocated
+
+
+def test_launchers_that_pass_no_options_set_the_budget_and_tiers_by_environment(monkeypatch):
+    """transformers' Trainer compiles with `torch_compile_backend="remat"` and a mode, never options:
+    REMAT_BUDGET and REMAT_TIERS reach the registered backend, unless its options say otherwise."""
+    seen = []
+    monkeypatch.setattr(fx_compile, "backend", lambda **kw: seen.append(kw) or (lambda gm, inputs: gm))
+    monkeypatch.setenv("REMAT_BUDGET", "free-1GiB")
+    monkeypatch.setenv("REMAT_TIERS", "expensive")
+    fx_compile.remat_backend(None, [], mode="max-autotune")
+    assert str(seen[-1]["budget"]) == "free-1.00GiB" and seen[-1]["tiers"] == ["expensive"]
+    assert seen[-1]["mode"] == "max-autotune"
+    fx_compile.remat_backend(None, [], options={"config": "Gelu+:1:-1", "tiers": []})
+    assert "budget" not in seen[-1] and seen[-1]["tiers"] == []          # the options win
+    fx_compile.remat_backend(None, [], options={"ratio": 0.5})
+    assert "budget" not in seen[-1] and seen[-1]["ratio"] == 0.5
+    monkeypatch.setenv("REMAT_BUDGET", "lots")
+    with pytest.raises(ConfigError, match="REMAT_BUDGET: budget 'lots'"):
+        fx_compile.remat_backend(None, [])

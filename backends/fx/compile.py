@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -459,15 +460,35 @@ def _mode_options(mode: str | None) -> dict:
 
 
 OPTIONS = ("rules", "config", "tiers", "strict", "budget", "ratio", "device", "report")
+# Options for launchers that pass a backend's name and mode but no options (transformers' Trainer:
+# `torch_compile_backend="remat"`), read where `options` does not give them or what excludes them.
+BUDGET_ENV, TIERS_ENV = "REMAT_BUDGET", "REMAT_TIERS"
+
+
+def _environment_options(options: dict) -> dict:
+    """REMAT_BUDGET (`free`, `0.6`, `400MiB`) unless the options give a budget, a ratio or a
+    config; REMAT_TIERS (`expensive`, comma-separated) unless they give tiers."""
+    options = dict(options)
+    budget = os.environ.get(BUDGET_ENV, "").strip()
+    if budget and not {"budget", "ratio", "config"} & set(options):
+        try:
+            options["budget"] = parse_budget(budget)
+        except ConfigError as err:
+            raise ConfigError(f"{BUDGET_ENV}: {err}") from None
+    tiers = os.environ.get(TIERS_ENV, "").strip()
+    if tiers and "tiers" not in options:
+        options["tiers"] = [t.strip() for t in tiers.split(",") if t.strip()]
+    return options
 
 
 def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """The registered `remat` backend: the shipped rules, default tier. torch.compile passes its
     `mode` and `options` to a registered backend, so `torch.compile(model, backend="remat",
     mode="max-autotune", options={"budget": "400MiB"})` works; the option keys are backend()'s
-    arguments, and the mode's Inductor settings apply as they would to Inductor."""
+    arguments, and the mode's Inductor settings apply as they would to Inductor. Launchers that
+    give no options set REMAT_BUDGET and REMAT_TIERS (`_environment_options`)."""
     options = dict(options or {})
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ConfigError(f"unknown remat option(s) {', '.join(sorted(unknown))}; options: {', '.join(OPTIONS)}")
-    return backend(**options, mode=mode)(gm, example_inputs)
+    return backend(**_environment_options(options), mode=mode)(gm, example_inputs)
