@@ -537,8 +537,7 @@ def _ort_dims(shape, symbols: frozenset) -> Dims:
     `dim_param`). Unknown (None): a symbol no graph input has (the importer's `unk__N`, a dim it
     could not relate to the inputs) and an expression of symbols (`batch*seq`: ONNX's inference
     does no arithmetic on dim_params)."""
-    return tuple(d if isinstance(d, int) or d.is_Integer or (d.is_Symbol and d in symbols) else None
-                 for d in shape)
+    return tuple(d if _is_number(d) or (d.is_Symbol and d in symbols) else None for d in shape)
 
 
 def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] | None = None,
