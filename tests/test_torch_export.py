@@ -414,3 +414,67 @@ def test_an_in_place_write_through_a_view_exports(exporter):
     torch.manual_seed(0)
     exported = export_training_step(_InPlaceOnAView(), (torch.randn(6, 8),), ["x"], exporter=exporter)
     assert verify(exported).error < 1e-4
+
+
+class _MaskedTiny(torch.nn.Module):
+    """nanoGPT's way: a causal-mask buffer of the block size, sliced to the sequence in forward."""
+
+    def __init__(self, block: int, vocab: int = 64, d: int = 16):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, block, block), persistent=False)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.emb(idx)
+        s = (x @ x.transpose(-1, -2)).masked_fill(self.bias[:, :t, :t] == 0, float("-inf")).softmax(-1)
+        return torch.nn.functional.cross_entropy(self.head(s @ x).flatten(0, 1), targets.flatten())
+
+
+def test_a_buffer_sliced_to_the_sequence_exports_with_dynamic_dims():
+    """make_fx's symbolic trace refused a module's own tensors (a real tensor in a fake-tensor
+    trace: `Please convert all Tensors to FakeTensors first`); they are the trace's inputs now,
+    held by the step as constants. Where torch.export specializes a dynamic dim anyway (the
+    buffer exactly the example's length), the export is refused, saying why, not written static."""
+    from backends.onnx.torch_export import export_training_step
+
+    model = _MaskedTiny(block=64)
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 64, (2, 32), generator=g), torch.randint(0, 64, (2, 32), generator=g))
+    exported = export_training_step(model, inputs, ["idx", "targets"], dynamic_dims={0: "batch", 1: "seq"},
+                                    max_dims={"seq": 64})
+    dims = [d.dim_param or d.dim_value for d in exported.model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq"]
+    other = (torch.randint(0, 64, (3, 20), generator=g), torch.randint(0, 64, (3, 20), generator=g))
+    feeds = {**exported.feeds, "idx": other[0].numpy(), "targets": other[1].numpy()}
+    out = run(exported.model, feeds)
+    model.zero_grad()
+    loss = model(*other)
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-5 * abs(loss.item())
+    for name, p in model.named_parameters():
+        got = out[f"grad.{name.replace('.', '_')}"]
+        assert np.abs(got - p.grad.numpy()).max() <= 1e-4 * np.abs(p.grad.numpy()).max(), name
+    with pytest.raises(RematError, match="dynamic dim seq .* came out static in the export, 32"):
+        export_training_step(_MaskedTiny(block=32), inputs, ["idx", "targets"],
+                             dynamic_dims={0: "batch", 1: "seq"}, max_dims={"seq": 32})
+
+
+@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
+def test_a_trainable_parameter_the_loss_does_not_read_gets_a_zero_gradient(exporter):
+    """nn.MultiheadAttention reads out_proj's weight itself, so LoRA adapters put on out_proj
+    train nothing: torch.autograd.grad refused the step ("appears to not have been used")."""
+    from backends.onnx.torch_export import export_training_step
+
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.used(x).square().mean()
+
+    exported = export_training_step(Unused(), (torch.randn(4, 8),), ["x"], exporter=exporter)
+    out = run(exported.model, exported.feeds)
+    assert not out["grad.unused_weight"].any() and out["grad.used_weight"].any()
+    assert max_relative_error(out, exported.reference)[0] <= 1e-5

@@ -519,7 +519,9 @@ _SAME_DIMS = frozenset({"Relu", "Sigmoid", "Tanh", "Gelu", "Erf", "Exp", "Log", 
                         "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Floor", "Ceil", "Round", "Sign"})
 # Ops whose output has the shape of one input (by position), whatever the others' shapes.
 _SHAPE_OF_INPUT = {**{op: 0 for op in _SAME_DIMS}, "ScatterElements": 0, "ScatterND": 0, "Scatter": 0,
-                   "LayerNormalization": 0, "GatherElements": 1}
+                   "LayerNormalization": 0, "GatherElements": 1, "InstanceNormalization": 0,
+                   "GroupNormalization": 0, "BatchNormalization": 0, "MeanVarianceNormalization": 0,
+                   "LpNormalization": 0}
 _BROADCASTS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Equal", "Less", "Greater", "LessOrEqual",
                          "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Mod", "PRelu"})
 
@@ -860,14 +862,63 @@ def fill_shapes(graph: Graph, examples: dict[str, int]) -> int:
 
 
 def _shape_of(target: Value | None, examples: dict[str, int]) -> tuple[int, ...] | None:
-    """The dims a shape operand holds: a constant's, or those of the value a `Shape` (whole) reads."""
-    if target is None:
+    """The dims a shape operand holds, at the example dims (`_int_values`)."""
+    values = _int_values(target, examples)
+    return None if values is None else tuple(values)
+
+
+# Integer ops a shape computation is made of (a dynamic export's `Reshape` targets, the sizes
+# of a `ConstantOfShape`), evaluated on small lists; Div is ONNX's integer division.
+_INT_BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+               "Div": lambda a, b: a // b if b else None, "Max": max, "Min": min}
+_INT_SMALL = 16         # a shape operand has a handful of values
+
+
+def _shape_range(node: Node, rank: int) -> slice:
+    """The dims a `Shape` node takes (its start and end attributes) of an input of `rank`."""
+    return slice(node.attrs.get("start", 0), node.attrs.get("end", rank))
+
+
+def _int_values(v: Value | None, examples: dict[str, int], depth: int = 0) -> list[int] | None:
+    """The values of a small integer tensor computed from shapes (`Shape`, `Gather`, `Concat`,
+    `Unsqueeze`, `Squeeze`, `Reshape`, `Cast`, `Slice`, arithmetic), at the example dims: a
+    constant's ints, or evaluated through its producers. None where any part is not known."""
+    if v is None or depth > 32:
         return None
-    if target.ints is not None:
-        return tuple(int(d) for d in target.ints)
-    p = target.producer
-    if p is not None and p.op == "Shape" and p.inputs and "start" not in p.attrs and "end" not in p.attrs:
-        return _dims(p.inputs[0], examples)
+    if v.ints is not None:
+        return [int(d) for d in v.ints]
+    node = v.producer
+    if node is None or not node.inputs:
+        return None
+    op = node.op_type
+    first = lambda: _int_values(node.inputs[0], examples, depth + 1)     # noqa: E731
+    if op == "Shape":
+        dims = _dims(node.inputs[0], examples)
+        return None if dims is None else list(dims[_shape_range(node, len(dims))])
+    if op in ("Unsqueeze", "Squeeze", "Reshape", "Identity", "Cast", "Flatten"):
+        return first()
+    if op == "Concat":
+        parts = [_int_values(x, examples, depth + 1) for x in node.inputs]
+        return None if any(x is None for x in parts) else [d for x in parts for d in x]
+    if op == "Gather" and node.attrs.get("axis", 0) == 0 and len(node.inputs) > 1:
+        data, index = first(), _int_values(node.inputs[1], examples, depth + 1)
+        if data is None or index is None or any(not -len(data) <= k < len(data) for k in index):
+            return None
+        return [data[k] for k in index]
+    if op == "Slice" and len(node.inputs) >= 3:
+        data = first()
+        starts, ends = (_int_values(node.inputs[k], examples, depth + 1) for k in (1, 2))
+        if data is None or not starts or not ends or len(node.inputs) > 4:
+            return None
+        return data[starts[0]:ends[0]]
+    if op in _INT_BINARY and len(node.inputs) == 2:
+        a, b = first(), _int_values(node.inputs[1], examples, depth + 1)
+        if a is None or b is None or len(a) > _INT_SMALL or len(b) > _INT_SMALL or \
+                (len(a) != len(b) and 1 not in (len(a), len(b))):
+            return None
+        n = max(len(a), len(b))
+        out = [_INT_BINARY[op](a[k % len(a)], b[k % len(b)]) for k in range(n)]
+        return None if any(x is None for x in out) else out
     return None
 
 
@@ -900,10 +951,11 @@ def _infer(node: Node, examples: dict[str, int]) -> tuple[int, ...] | None:
         target = _shape_of(node.inputs[1], examples)
         return None if target is None else _broadcast_dims(ins[0], target)
     if op == "Reshape" and ins[0] is not None and len(node.inputs) > 1:
-        target = node.inputs[1]
-        if target is not None and target.ints is not None:
-            return _reshape_known(ins[0], list(target.ints))
-        return _shape_of(target, examples)      # Reshape(x, Shape(y)): y's dims
+        target = _int_values(node.inputs[1], examples)      # constant, Shape(y), or computed from shapes
+        if target is None:
+            return None
+        dims = _reshape_known(ins[0], target)
+        return None if any(d is None or d < 0 for d in dims) else dims
     if op == "Slice" and ins[0] is not None and len(node.inputs) >= 3:
         starts, ends = node.inputs[1], node.inputs[2]
         axes = node.inputs[3].ints if len(node.inputs) > 3 and node.inputs[3] is not None else None
@@ -937,6 +989,11 @@ def _infer(node: Node, examples: dict[str, int]) -> tuple[int, ...] | None:
         return tuple(1 if k in axes else d for k, d in enumerate(ins[0]) if keep or k not in axes)
     if op == "LayerNormalization" and ins[0] is not None:
         return ins[0]
+    if op == "Shape" and node.inputs[0] is not None and node.inputs[0].shape is not None:
+        rank = len(node.inputs[0].shape)
+        return (len(range(rank)[_shape_range(node, rank)]),)
+    if op == "ConstantOfShape":
+        return _shape_of(node.inputs[0], examples)
     return None
 
 

@@ -122,7 +122,10 @@ def _step_fn(module: torch.nn.Module, names: list[str], n_inputs: int, trainable
         params = [p.requires_grad_(True) if learn else p for p, learn in zip(params, trainable)]
         loss, returned = loss_and_returned(functional_call(module, dict(zip(names, params)), tuple(inputs)))
         step.returned = [name for name, _ in returned]
-        grads = torch.autograd.grad(loss, [p for p, learn in zip(params, trainable) if learn])
+        # A trainable parameter the loss does not read (LoRA adapters on a projection that
+        # nn.MultiheadAttention reads by its weight alone) has a zero gradient.
+        grads = torch.autograd.grad(loss, [p for p, learn in zip(params, trainable) if learn],
+                                    allow_unused=True, materialize_grads=True)
         return (loss, *(v.detach() for _, v in returned), *grads)
 
     step.returned = []
@@ -223,15 +226,53 @@ def _traceable():
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                         symbolic: bool = False, written_out: tuple = ()) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
-    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md)."""
+    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md). A
+    symbolic trace takes the module's buffers as inputs too (a causal mask sliced to the
+    sequence, rotary tables): a module's own tensor is a real tensor inside the fake-tensor trace,
+    which refuses it; the traced step holds them (`_HeldBuffers`), exported as constants."""
     names, params, trainable = _parameters(module)
     step = _step_fn(module, names, len(inputs), trainable)
+    buffer_names, buffers = _buffers(module) if symbolic else ([], [])
+    traced = _step_fn(module, names + buffer_names, len(inputs), trainable + [False] * len(buffers)) \
+        if buffers else step
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
-            graph = make_fx(step, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
-                                                       **get_decompositions(list(written_out))},
-                            tracing_mode="symbolic" if symbolic else "real")(*inputs, *params)
-    return TracedStep(graph, step, names, params, trainable, list(step.returned))
+            graph = make_fx(traced, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
+                                                         **get_decompositions(list(written_out))},
+                            tracing_mode="symbolic" if symbolic else "real")(*inputs, *params, *buffers)
+    if buffers:
+        graph = _BufferedStep(graph, buffers)
+    return TracedStep(graph, step, names, params, trainable, list(traced.returned))
+
+
+def _buffers(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    named = list(module.named_buffers())
+    return [n for n, _ in named], [b.detach().clone() for _, b in named]
+
+
+class _HeldBuffers(torch.nn.Module):
+    """A traced step whose last inputs are the module's buffers, held here: the exporter writes
+    them as constants, and the step's inputs stay (*inputs, *params)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        super().__init__()
+        self.n_buffers = len(buffers)
+        for k, buffer in enumerate(buffers):
+            self.register_buffer(f"buffer{k}", buffer)
+
+    def held(self) -> list[torch.Tensor]:
+        return [getattr(self, f"buffer{k}") for k in range(self.n_buffers)]
+
+
+class _BufferedStep(_HeldBuffers):
+    """make_fx's symbolic trace of the step, (*inputs, *params, *buffers) -> outputs, as a step."""
+
+    def __init__(self, graph: torch.fx.GraphModule, buffers: list[torch.Tensor]):
+        super().__init__(buffers)
+        self.graph = graph
+
+    def forward(self, *args):
+        return self.graph(*args, *self.held())
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -374,26 +415,26 @@ _TRANSLATIONS = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward,
                  torch.ops.prims.as_strided_scatter.default: _as_strided_scatter}
 
 
-class _JointStep(torch.nn.Module):
+class _JointStep(_HeldBuffers):
     """AOTAutograd's joint graph as a step: (*inputs, *params) -> (loss, *param grads), the loss's
     incoming gradient a constant one. The module's buffers are the joint graph's last inputs,
     held here (exported as constants)."""
 
     def __init__(self, joint: torch.fx.GraphModule, n_inputs: int, buffers: list[torch.Tensor],
                  trainable: list[bool]):
-        super().__init__()
+        super().__init__(buffers)
         self.joint = joint
         self.n_inputs = n_inputs
         self.trainable = trainable
-        self.n_buffers = len(buffers)
-        for k, buffer in enumerate(buffers):
-            self.register_buffer(f"buffer{k}", buffer)
 
     def forward(self, *args):
-        buffers = [getattr(self, f"buffer{k}") for k in range(self.n_buffers)]
-        (loss, *returned), grads = self.joint([*args, *buffers], [torch.ones((), dtype=torch.float32)])
-        # AOTAutograd gives None for an input that needs no gradient (a frozen parameter).
-        return (loss, *returned, *(g for g, learn in zip(grads[self.n_inputs:len(args)], self.trainable) if learn))
+        (loss, *returned), grads = self.joint([*args, *self.held()], [torch.ones((), dtype=torch.float32)])
+        # AOTAutograd gives None for an input that needs no gradient (a frozen parameter), and for a
+        # trainable one the loss does not read, whose gradient is zero.
+        params = args[self.n_inputs:]
+        return (loss, *returned, *(torch.zeros_like(p) if g is None else g
+                                   for g, p, learn in zip(grads[self.n_inputs:len(args)], params, self.trainable)
+                                   if learn))
 
 
 def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -405,8 +446,7 @@ def trace_joint_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     n_inputs, n_params = len(inputs), len(params)
     # Buffers (rotary frequencies, position ids) are inputs too: a module's own tensor would be
     # a real tensor inside AOTAutograd's fake-tensor trace, which refuses it.
-    buffer_names = [n for n, _ in module.named_buffers()]
-    buffers = [b.detach().clone() for _, b in module.named_buffers()]
+    buffer_names, buffers = _buffers(module)
 
     returned_names: list[str] = []
 
@@ -470,6 +510,8 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
                                  if axis < t.dim()})
             specs.append(spec or None)
         dynamic_shapes = tuple(specs) + tuple(None for _ in params)
+        if isinstance(traced.graph, _HeldBuffers):
+            dynamic_shapes = (dynamic_shapes,)      # its forward takes them as one `*args`
     with _quiet():
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
@@ -477,6 +519,8 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
             input_names=[*input_names, *(_clean(n) for n in names)],
             output_names=output_names)
     model = program.model_proto
+    if dynamic_dims:
+        _check_still_dynamic(model, inputs, dynamic_dims)
     onnx.helper.set_model_props(model, {
         FORWARD_OUTPUTS_KEY: json.dumps(forward_outputs),
         **({DIM_EXAMPLES_KEY: json.dumps(dim_examples)} if dim_examples else {}),
@@ -503,6 +547,22 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     float32 = all(p.dtype != torch.float64 for p in params)
     return ExportedStep(model, input_names, feeds, {} if dropout else reference_with(None),
                         reference_with if dropout else None, in_float64 if float32 else None)
+
+
+def _check_still_dynamic(model: onnx.ModelProto, inputs: tuple[torch.Tensor, ...],
+                         dynamic_dims: dict[int, str]) -> None:
+    """torch.export makes a dim static, without a word, where the model's code ties it to a
+    number: a dynamic export that came out static is refused, naming the dim and the usual cause."""
+    for info, t in zip(model.graph.input, inputs):
+        dims = info.type.tensor_type.shape.dim
+        for axis, name in sorted(dynamic_dims.items()):
+            if axis < min(t.dim(), len(dims)) and dims[axis].HasField("dim_value"):
+                raise RematError(
+                    f"dynamic dim {name} (axis {axis}) came out static in the export, {dims[axis].dim_value} in "
+                    f"input {info.name!r}: torch.export specialized it, as it does where the model ties it to a "
+                    f"fixed size, most often a buffer exactly the example's length sliced to it (nanoGPT's causal "
+                    f"mask `bias[:, :, :T, :T]`, rotary tables). Export with example inputs shorter than such "
+                    f"buffers, or with {name} static")
 
 
 def save(exported: ExportedStep, path: str | Path) -> Path:
