@@ -232,8 +232,9 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     which refuses it; the traced step holds them (`_HeldBuffers`), exported as constants."""
     names, params, trainable = _parameters(module)
     step = _step_fn(module, names, len(inputs), trainable)
-    buffer_names, buffers = _buffers(module) if symbolic else ([], [])
-    traced = _step_fn(module, names + buffer_names, len(inputs), trainable + [False] * len(buffers)) \
+    held = _tensor_attributes_as_buffers(module) if symbolic else module
+    buffer_names, buffers = _buffers(held) if symbolic else ([], [])
+    traced = _step_fn(held, names + buffer_names, len(inputs), trainable + [False] * len(buffers)) \
         if buffers else step
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
@@ -243,6 +244,24 @@ def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...
     if buffers:
         graph = _BufferedStep(graph, buffers)
     return TracedStep(graph, step, names, params, trainable, list(traced.returned))
+
+
+def _tensor_attributes_as_buffers(module: torch.nn.Module) -> torch.nn.Module:
+    """`module`, or where a submodule keeps a tensor as a plain attribute (Meta's Llama keeps its
+    rotary `freqs_cis` so), a copy in which those are buffers: the symbolic trace takes buffers
+    as inputs, and refuses any other real tensor."""
+    def plain(sub: torch.nn.Module) -> list[str]:
+        return [k for k, v in vars(sub).items() if isinstance(v, torch.Tensor)]
+
+    if not any(plain(sub) for sub in module.modules()):
+        return module
+    module = copy.deepcopy(module)
+    for sub in module.modules():
+        for name in plain(sub):
+            tensor = vars(sub)[name]
+            delattr(sub, name)
+            sub.register_buffer(name, tensor, persistent=False)
+    return module
 
 
 def _buffers(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
