@@ -88,7 +88,7 @@ def test_a_device_whose_free_memory_is_unknown():
         free_memory.free_bytes(torch.device("meta"))
     inputs = [torch.nn.Parameter(torch.zeros(4, 4, device="meta")), torch.zeros(3, device="meta")]
     assert free_memory.input_device(inputs).type == "meta"
-    assert free_memory.optimizer_reserve(inputs) == 2 * 4 * 4 * 4
+    assert free_memory.optimizer_reserve(free_memory.trainable_bytes(inputs)) == 2 * 4 * 4 * 4
     strict = fx_compile.RematPass(load_rules(), budget="free", strict=True)
     with pytest.raises(ConfigError, match="budget free: the free memory of a meta device"):
         strict.on_device(inputs)
@@ -178,3 +178,21 @@ def test_launchers_that_pass_no_options_set_the_budget_and_tiers_by_environment(
     monkeypatch.setenv("REMAT_BUDGET", "lots")
     with pytest.raises(ConfigError, match="REMAT_BUDGET: budget 'lots'"):
         fx_compile.remat_backend(None, [])
+
+
+def test_graphs_split_by_a_graph_break_keep_back_the_optimizer_state_of_every_parameter(monkeypatch):
+    """Dynamo compiles a model split by graph breaks graph by graph, each with its own parameters;
+    Adam's state is made for all of them after the first step, so each compile keeps back the
+    parameters of every graph compiled so far, and reports its reading only when it plans."""
+    monkeypatch.setattr(fx_compile, "free_bytes", lambda device: 1000 * MiB)
+    first = [torch.nn.Parameter(torch.zeros(16 * MiB // 4)), torch.zeros(4)]        # 16 MiB
+    second = [torch.nn.Parameter(torch.zeros(32 * MiB // 4))]                        # 32 MiB
+    reports = []
+    remat_pass = fx_compile.RematPass(load_rules(), budget="free", report=reports.append)
+    remat_pass.on_device(first)
+    assert remat_pass.budget.bytes == int(0.9 * (1000 - 32) * MiB) // (8 * MiB) * (8 * MiB)
+    remat_pass.on_device(second)
+    assert remat_pass.budget.bytes == int(0.9 * (1000 - 96) * MiB) // (8 * MiB) * (8 * MiB)
+    remat_pass.on_device(first)             # seen before: not counted twice
+    assert remat_pass.budget.bytes == int(0.9 * (1000 - 96) * MiB) // (8 * MiB) * (8 * MiB)
+    assert not reports and "96.00 MiB kept back" in remat_pass.unreported

@@ -46,7 +46,7 @@ from engine.strategies.chunk import ChunkRegion
 from backends.device import profile_for
 
 from .chunk import _propagate_fake, apply_chunk
-from .free_memory import FreeMemoryUnknown, free_bytes, input_device, optimizer_reserve
+from .free_memory import FreeMemoryUnknown, free_bytes, input_device, optimizer_reserve, trainable_bytes
 from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
 from .modules import working_module
 from .normalize import strided_copies_as_clones
@@ -238,6 +238,10 @@ class RematPass(CustomGraphPass):
         # `free`: resolved into bytes at each compile (on_device), from what the device has free then
         self.free_budget = self.budget if self.budget is not None and self.budget.free else None
         self.free_resolved: list[str] = []       # each compile's resolution of the free budget, as reported
+        # The trainable parameters every compile so far has taken (by identity): a model split by
+        # graph breaks compiles its graphs one by one, and the optimizer's state is for them all.
+        self.parameters: dict[int, int] = {}
+        self.unreported: str | None = None      # the resolution of the graph compiling now, until it plans
         self.device = device                      # a DeviceProfile, or a name resolved per graph
         self.tiers = tuple(tiers)
         self.report = report
@@ -271,7 +275,8 @@ class RematPass(CustomGraphPass):
         try:
             device = input_device(example_inputs)
             free = free_bytes(device)
-            reserve = optimizer_reserve(example_inputs)
+            self.parameters.update(trainable_bytes(example_inputs))
+            reserve = optimizer_reserve(self.parameters)
         except FreeMemoryUnknown as err:
             if self.strict:
                 raise ConfigError(f"budget {self.free_budget}: {err}; give bytes (400MiB) or a fraction "
@@ -287,14 +292,13 @@ class RematPass(CustomGraphPass):
             self.budget = None
             return
         self.budget = self.free_budget.on_device(free, reserve)
-        kept = (f"{format_bytes(reserve)} kept back (twice the trainable parameters: an Adam optimizer's "
-                f"state, made after the compile; free-SIZE keeps SIZE instead)" if self.free_budget.reserve is None
+        kept = (f"{format_bytes(reserve)} kept back (twice the trainable parameters compiled so far: an Adam "
+                f"optimizer's state, made after the compile; free-SIZE keeps SIZE instead)" if self.free_budget.reserve is None
                 else f"{format_bytes(self.free_budget.reserve)} kept back")
         line = (f"remat: budget {self.free_budget} on {device}: {format_bytes(free)} free, {kept}, "
                 f"{FREE_HEADROOM:.0%} left to the allocator: {format_bytes(self.budget.bytes)}")
         self.free_resolved.append(line)
-        if self.report is not None:
-            self.report(line)
+        self.unreported = line          # reported with the graph's plans (__call__), not for an empty one
 
     def _skipped(self, failure: PlanFailure) -> None:
         self.warn(f"remat: {failure}; compiling without that plan")
@@ -306,6 +310,9 @@ class RematPass(CustomGraphPass):
         output = next((n for n in graph.nodes if n.op == "output"), None)
         if output is None or not _flat_nodes(output.args):
             return      # nothing to rewrite (dynamo hands a graph break's empty fragment over too)
+        if self.unreported is not None and self.report is not None:
+            self.report(self.unreported)
+        self.unreported = None
         builder = FxBuilder(graph, self.rules.views, self.strict)
         if self.budget is not None and self.budget.bytes is not None:
             unbounded = {name: traced for name, (traced, largest) in dim_bounds(graph).items() if largest is None}

@@ -107,16 +107,16 @@ def _room(place: tuple[Path, bool]) -> int | None:
     return max(0, int(limit_text) - (usage - inactive))
 
 
-def optimizer_reserve(example_inputs) -> int:
-    """Twice the bytes of the trainable parameters among a compile's inputs: the state Adam and
-    AdamW allocate at their first step, which comes after the compile."""
-    seen: set[int] = set()
-    total = 0
-    for t in example_inputs:
-        if isinstance(t, torch.nn.Parameter) and t.requires_grad and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return 2 * total
+def trainable_bytes(example_inputs) -> dict[int, int]:
+    """The bytes of each trainable parameter among a compile's inputs, by identity."""
+    return {id(t): t.numel() * t.element_size() for t in example_inputs
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad}
+
+
+def optimizer_reserve(parameters: dict[int, int]) -> int:
+    """Twice the bytes of the trainable parameters (`trainable_bytes`): the state Adam and AdamW
+    allocate at their first step, which comes after the compile."""
+    return 2 * sum(parameters.values())
 
 
 def input_device(example_inputs) -> torch.device:
