@@ -277,18 +277,16 @@ class RematPass(CustomGraphPass):
             free = free_bytes(device)
             self.parameters.update(trainable_bytes(example_inputs))
             reserve = optimizer_reserve(self.parameters)
-        except FreeMemoryUnknown as err:
-            if self.strict:
+        except Exception as err:        # reading the device failed: the step still compiles
+            unknown = isinstance(err, FreeMemoryUnknown)
+            if self.strict and unknown:
                 raise ConfigError(f"budget {self.free_budget}: {err}; give bytes (400MiB) or a fraction "
                                   f"(0.6)") from None
-            self.warn(f"remat: budget {self.free_budget}: {err}; planning without a budget")
-            self.budget = None
-            return
-        except Exception as err:        # reading the device failed: the step still compiles
             if self.strict:
                 raise
-            self.warn(f"remat: budget {self.free_budget}: reading the device's free memory failed "
-                      f"({type(err).__name__}: {err}); planning without a budget")
+            why = str(err) if unknown else \
+                f"reading the device's free memory failed ({type(err).__name__}: {err})"
+            self.warn(f"remat: budget {self.free_budget}: {why}; planning without a budget")
             self.budget = None
             return
         self.budget = self.free_budget.on_device(free, reserve)

@@ -978,8 +978,6 @@ def _infer(node: Node, examples: dict[str, int]) -> tuple[int, ...] | None:
             dims = list(src)
             dims[axis] = sizes[pos[0]]
             return tuple(dims)
-    if op == "Expand" and ins[0] is not None and node.inputs[1] is not None and node.inputs[1].ints:
-        return _broadcast_dims(ins[0], tuple(node.inputs[1].ints))
     if op in ("ReduceSum", "ReduceMean", "ReduceMax") and ins[0] is not None:
         axes = node.inputs[1].ints if len(node.inputs) > 1 and node.inputs[1] is not None else node.attrs.get("axes")
         if axes is None:
