@@ -129,7 +129,8 @@ def main() -> None:
     for variant in variants:
         results.append(run_one(variant, args.static, args.timeout))
         print(f"# {variant.name}: {'failed' if 'failure' in results[-1] else 'done'}", flush=True)
-    print(f"\n{'variant':46}{'graph':11}{'chunks':>7}{'error':>10}{'est MiB':>10}{'meas MiB':>10}{'est/meas':>10}")
+    width = max([46] + [len(r["name"]) + 2 for r in results])
+    print(f"\n{'variant':{width}}{'graph':11}{'chunks':>7}{'error':>10}{'est MiB':>10}{'meas MiB':>10}{'est/meas':>10}")
     worst = 1.0
     for result in results:
         for row in result.get("rows", ()):
@@ -138,7 +139,7 @@ def main() -> None:
                 worst = ratio
             estimate = f"{row['estimate'] / MIB:.1f}" if row["estimate"] else "-"
             ratio_text = "-" if ratio is None else f"{ratio:.3f}"
-            print(f"{result['name']:46}{row['graph']:11}{row['chunked']!s:>7}{row['error']:>10.1e}"
+            print(f"{result['name']:{width}}{row['graph']:11}{row['chunked']!s:>7}{row['error']:>10.1e}"
                   f"{estimate:>10}{row['measured'] / MIB:>10.1f}{ratio_text:>10}")
     failed = [r for r in results if "failure" in r]
     for result in failed:

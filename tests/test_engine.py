@@ -168,6 +168,36 @@ def test_recompute_clones_before_first_backward_use_and_is_idempotent():
     assert again.plans == [] and len(again.graph.nodes) == len(out.nodes)
 
 
+def test_a_clone_waits_for_a_target_shape_the_exporter_computes_late():
+    """torch.onnx writes the backward's alias of an activation right after it, inside the forward,
+    and a reshape's target shape lazily, right before the reshape. The region's clones go before
+    their first backward reader (the alias), but the reshape's clone cannot read its target
+    before it is computed: it waits for it, and everything else keeps its place."""
+    b = GraphBuilder({"batch": 512})
+    x = b.input("x", shape=("batch", 1024))
+    w1 = b.input("w1", shape=(1024, 1024), weight=True)
+    w2 = b.input("w2", shape=(1024, 1024), weight=True)
+    h = b.op("MatMul", [x, w1], name="h")
+    a = b.op("Gelu", [h], name="a")
+    alias = b.op("Identity", [a], name="alias")                   # for the backward, written here
+    target = b.op("Shape", [x], dtype="int64", shape=(2,), name="target")   # right before its reader
+    av = b.op("Reshape", [a, target], name="av")
+    y = b.op("MatMul", [av, w2], name="y")
+    loss = b.op("ReduceSum", [y], shape=(), name="loss")
+    g = b.op("Expand", [loss], shape=("batch", 1024), name="g")
+    dw2 = b.op("MatMul", [b.op("Transpose", [av], name="avt"), g], shape=(1024, 1024), name="dw2")
+    dh = b.op("Mul", [b.op("MatMul", [g, w2], name="ga"), b.op("Erf", [h], name="dgelu")], name="dh")
+    dh = b.op("Mul", [dh, alias], name="dh_alias")
+    dw1 = b.op("MatMul", [b.op("Transpose", [x], name="xt"), dh], shape=(1024, 1024), name="dw1")
+    graph = b.graph([loss, dw1, dw2])
+    result = apply(graph, compile_text(GELU_RULE, "g.rule"))
+    assert [(p.key, p.applied) for p in result.plans] == [("Gelu+Reshape+", 1)]
+    result.graph.verify()
+    names = [n.name for n in result.graph.nodes]
+    assert names.index("n_a_rc") < names.index("n_alias") < names.index("n_target") < names.index("n_av_rc")
+    assert [n for n in names if not n.endswith("_rc")] == [n.name for n in graph.nodes]
+
+
 def test_not_recomputable_producer_is_refused_with_reason():
     b = GraphBuilder({"batch": 512})
     x = b.input("x", shape=("batch", 1024))

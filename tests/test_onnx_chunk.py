@@ -8,6 +8,9 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
 from backends.onnx.exporter import export_model  # noqa: E402
 from backends.onnx.importer import import_model  # noqa: E402
 from backends.onnx.rewrite import apply_rules  # noqa: E402
@@ -178,8 +181,6 @@ def test_slices_along_the_chunk_dim_run_in_loops_of_their_own_class(tokens, lead
 
 def test_a_pad_along_the_chunk_dim_is_refused_with_the_op_named():
     """Padding adds rows the chunked value does not have: no slice of it holds them."""
-    import torch.nn.functional as F
-
     exported = export_training_step(HeadThen(lambda y: F.pad(y, (0, 0, 1, 0))), (torch.randn(32, 8),))
     rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
     assert rewrite.chunked == 0
@@ -262,3 +263,37 @@ def test_a_config_naming_chunk_and_recompute_plans_is_checked_once_against_the_w
     assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
     with pytest.raises(ConfigError, match="'Tanh\\+:1:-1' names no plan"):
         apply_rules(graph, rules, config="MatMul+LogSoftmax+:3:-1,Tanh+:1:-1", tiers=["expensive"])
+
+
+class SmoothedHead(nn.Module):
+    """A head and cross-entropy with label smoothing over (batch * seq, vocab), as a GPT computes
+    its loss. torch.onnx computes the smoothing's mean from the `Shape` of the per-token loss,
+    a value the chunk region computes."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=0.1)
+
+
+def test_a_size_read_from_the_region_is_computed_from_the_inputs_over_dynamic_dims():
+    """Exported with batch and seq dynamic, the per-token loss the smoothing averages has the
+    symbolic shape (batch * seq): the `Shape` read of it, which would wait for the whole region,
+    is computed from the graph inputs' dims instead (a constant at static sizes). The rewritten
+    graph serves other sizes too."""
+    torch.manual_seed(0)
+    inputs = _softcap_inputs(2, 24, 16, 300)
+    exported = export_training_step(SmoothedHead(16, 300), inputs, ["x", "labels"],
+                                    dynamic_dims={0: "batch", 1: "seq"})
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk.rule")
+    rewrite = apply_rules(import_model(exported.model), rules, strict=True)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    model = export_model(rewrite.graph)
+    for batch, seq in ((2, 24), (3, 17)):
+        x, labels = _softcap_inputs(batch, seq, 16, 300)
+        feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
+        error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
+        assert error <= 1e-4, (batch, seq, where)

@@ -419,9 +419,10 @@ def test_an_in_place_write_through_a_view_exports(exporter):
 class _MaskedTiny(torch.nn.Module):
     """nanoGPT's way: a causal-mask buffer of the block size, sliced to the sequence in forward."""
 
-    def __init__(self, block: int, vocab: int = 64, d: int = 16, plain: bool = False):
+    def __init__(self, block: int, vocab: int = 64, d: int = 16, plain: bool = False, tensor_scale: bool = False):
         super().__init__()
         self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.tensor_scale = tensor_scale
         mask = torch.tril(torch.ones(block, block)).view(1, block, block)
         if plain:
             self.bias = mask            # a plain tensor attribute, as Meta's Llama keeps freqs_cis
@@ -431,20 +432,24 @@ class _MaskedTiny(torch.nn.Module):
     def forward(self, idx, targets):
         t = idx.shape[1]
         x = self.emb(idx)
-        s = (x @ x.transpose(-1, -2)).masked_fill(self.bias[:, :t, :t] == 0, float("-inf")).softmax(-1)
+        s = x @ x.transpose(-1, -2)
+        if self.tensor_scale:       # a tensor made in forward: a constant of the trace
+            s = s / torch.tensor(4.0)
+        s = s.masked_fill(self.bias[:, :t, :t] == 0, float("-inf")).softmax(-1)
         return torch.nn.functional.cross_entropy(self.head(s @ x).flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_a_buffer_sliced_to_the_sequence_exports_with_dynamic_dims(plain):
+@pytest.mark.parametrize("plain, tensor_scale", [(False, False), (True, False), (False, True)])
+def test_a_buffer_sliced_to_the_sequence_exports_with_dynamic_dims(plain, tensor_scale):
     """make_fx's symbolic trace refused a module's own tensors (a real tensor in a fake-tensor
     trace: `Please convert all Tensors to FakeTensors first`); they are the trace's inputs now,
     held by the step as constants (a plain tensor attribute too, made a buffer of a copy of the
-    module). Where torch.export specializes a dynamic dim anyway (the
+    module; beside a tensor the forward makes, which the trace keeps as a constant of its own).
+    Where torch.export specializes a dynamic dim anyway (the
     buffer exactly the example's length), the export is refused, saying why, not written static."""
     from backends.onnx.torch_export import export_training_step
 
-    model = _MaskedTiny(block=64, plain=plain)
+    model = _MaskedTiny(block=64, plain=plain, tensor_scale=tensor_scale)
     g = torch.Generator().manual_seed(0)
     inputs = (torch.randint(0, 64, (2, 32), generator=g), torch.randint(0, 64, (2, 32), generator=g))
     exported = export_training_step(model, inputs, ["idx", "targets"], dynamic_dims={0: "batch", 1: "seq"},

@@ -21,6 +21,7 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
+from engine.order import order_near
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
@@ -365,25 +366,12 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
     (new nodes go where the region began). The partitioner and Inductor schedule the backward
     from this order, so a global re-sort that drifts a weight gradient to the end would keep
     recomputed activations alive until then."""
-    import heapq
-
-    nodes = list(graph.nodes)
+    nodes = [n for n in graph.nodes if n.op != "output"]
     seq = {n: k for k, n in enumerate(nodes)}
-    key = {n: (*rank.get(n, new_rank), seq[n]) for n in nodes}
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(key[n], seq[n], n) for n in nodes if waiting[n] == 0 and n.op != "output"]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in n.users:
-            waiting[u] -= 1
-            if waiting[u] == 0 and u.op != "output":
-                heapq.heappush(ready, (key[u], seq[u], u))
-    if len(order) != len(nodes) - 1:
+    order = order_near(nodes, lambda n: n.all_input_nodes, lambda n: (*rank.get(n, new_rank), seq[n]))
+    if order is None:
         raise RuntimeError("remat bug: chunking left a cycle in the fx graph")
-    output = next(n for n in nodes if n.op == "output")
+    output = next(n for n in graph.nodes if n.op == "output")
     placeholders = [n for n in order if n.op == "placeholder"]
     for n in placeholders + [n for n in order if n.op != "placeholder"]:
         output.prepend(n)

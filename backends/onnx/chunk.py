@@ -29,6 +29,7 @@ from onnx import numpy_helper
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
+from engine.order import order_near
 from engine.shapes import Dim, simplify
 from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
 from engine.strategies.chunk.kinds import int_param
@@ -59,13 +60,6 @@ def _numpy_dtype(dtype: DType) -> type:
         if ir is dtype:
             return np_type
     raise GraphError(f"a partial sum of type {dtype} cannot start from zero here")
-
-
-def _static(v: Value) -> list[int]:
-    if v.shape is None or not all(isinstance(d, int) for d in v.shape):
-        raise GraphError(f"%{v.name} has no static shape ({v.type_str}); the ONNX backend builds chunk "
-                         f"regions of static shapes only")
-    return list(v.shape)
 
 
 def _rank(v: Value) -> int:
@@ -166,25 +160,42 @@ def _detach_type_reads(graph: Graph, region: ChunkRegion, names: Callable[[str],
             stack.extend(p.present_inputs())
         cycles.update(id(n) for n in graph.nodes if id(n) in before and (
             (n.op == "Shape" and id(n.inputs[0]) in after) or (n.op == "CastLike" and id(n.inputs[1]) in after)))
-    made = []
-    for k, node in enumerate(graph.nodes):
+    g = _Graph(names)
+    dims = DimEmitter(graph, g.add, g.const)
+    nodes = []
+    for node in graph.nodes:
         if id(node) not in cycles:
-            continue
-        if node.op == "Shape":
-            shape = _static(node.inputs[0])
-            start, end = node.attrs.get("start", 0), node.attrs.get("end")
-            c = _constant(names, f"{node.outputs[0].name}_static", np.array(shape[start:end], np.int64))
-            made.append(c)
+            nodes.append(node)
+        elif node.op == "Shape":
+            c = _shape_without_reading(node, g, dims)
+            nodes.extend(g.nodes)
+            g.nodes = []
             for user in node.outputs[0].users:
                 user.replace_input(node.outputs[0], c)
             graph.outputs = [c if v is node.outputs[0] else v for v in graph.outputs]
-            graph.nodes[k] = None
         else:
-            graph.nodes[k] = Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype},
-                                  node.name)
-    graph.nodes = [n for n in graph.nodes if n is not None]
-    graph.initializers.extend(made)
+            nodes.append(Node("Cast", [node.inputs[0]], node.outputs, {"to": node.inputs[1].dtype}, node.name))
+    graph.nodes = nodes
+    graph.initializers.extend(g.initializers)
     graph.link()
+
+
+def _shape_without_reading(node: Node, g: "_Graph", dims: DimEmitter) -> Value:
+    """What `Shape` node reads of its input, without reading it: a constant, or, over dynamic
+    dims (a per-token loss of batch * seq rows), the sizes computed from the graph inputs' shapes."""
+    v = node.inputs[0]
+    if v.shape is None:
+        raise GraphError(f"%{v.name} has no known shape; the ONNX backend cannot compute its size "
+                         f"without waiting for the region that computes it")
+    start, end = node.attrs.get("start", 0), node.attrs.get("end")
+    part = list(v.shape)[start:end]
+    name = node.outputs[0].name
+    if all(isinstance(d, int) for d in part):
+        return g.const(f"{name}_static", np.array(part, np.int64))
+    sizes = [dims.emit(d) for d in part]
+    if len(sizes) == 1:
+        return sizes[0]
+    return g.add("Concat", sizes, f"{name}_dims", DType.INT64, (len(part),), {"axis": 0})
 
 
 def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
@@ -549,29 +560,8 @@ def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> No
 
 def sort_near(graph: Graph, rank: dict[int, tuple]) -> None:
     """Reorder `graph` topologically, each node as close to its `rank` as its inputs allow."""
-    import heapq
-
-    producer = {id(o): n for n in graph.nodes for o in n.outputs}
-    deps: dict[int, set[int]] = {}
-    for n in graph.nodes:
-        deps[id(n)] = {id(producer[id(v)]) for v in n.reads() if id(v) in producer}
-    users: dict[int, list[Node]] = {id(n): [] for n in graph.nodes}
-    for n in graph.nodes:
-        for d in deps[id(n)]:
-            users[d].append(n)
-    seq = {id(n): k for k, n in enumerate(graph.nodes)}
-    waiting = {id(n): len(deps[id(n)]) for n in graph.nodes}
-    ready = [(rank[id(n)], seq[id(n)], n) for n in graph.nodes if not waiting[id(n)]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in users[id(n)]:
-            waiting[id(u)] -= 1
-            if not waiting[id(u)]:
-                heapq.heappush(ready, (rank[id(u)], seq[id(u)], u))
-    if len(order) != len(graph.nodes):
-        stuck = next(n for n in graph.nodes if waiting[id(n)])
-        raise GraphError(f"chunking left a cycle in the graph through {stuck.name} ({stuck.op})")
+    order = order_near(graph.nodes, lambda n: (v.producer for v in n.reads() if v.producer is not None),
+                       lambda n: rank[id(n)])
+    if order is None:
+        raise GraphError("chunking left a cycle in the graph")
     graph.nodes = order

@@ -288,10 +288,13 @@ class _BufferedStep(_HeldBuffers):
 
     def __init__(self, graph: torch.fx.GraphModule, buffers: list[torch.Tensor]):
         super().__init__(buffers)
-        self.graph = graph
+        # Not `graph`: torch.export's unlifted module is a GraphModule, whose `graph` is its
+        # fx.Graph, so a constant the trace made (`torch.tensor(math.sqrt(hd))` in forward,
+        # make_fx's `_tensor_constant0`) would be looked for there.
+        self.traced = graph
 
     def forward(self, *args):
-        return self.graph(*args, *self.held())
+        return self.traced(*args, *self.held())
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from ..analysis import Analysis
 from ..ir import Graph, Node, Value
+from ..order import order_near
+from ..errors import GraphError
 from ..matcher import Match, MatchContext, Reason
 from ..patterns import Recompute, Save
 from ..plan_type import PlanType
@@ -290,30 +292,17 @@ class Rewriter:
             groups.setdefault(self.place[id(clone)], []).append(clone)
         nodes: list[Node] = []
         for i, node in enumerate(self.graph.nodes):
-            nodes.extend(_topological(groups.get(i, [])))
+            nodes.extend(groups.get(i, []))
             nodes.append(node)
-        self.graph.nodes = nodes
+        # Clones at one place follow the clones they read; a clone placed before an input the
+        # exporter computes late (a reshape's target shape built from sizes right before the
+        # original reshape) waits for it; every other node keeps its place.
+        place = {id(n): k for k, n in enumerate(nodes)}
+        ordered = order_near(nodes, lambda n: (v.producer for v in n.reads() if v.producer is not None),
+                             lambda n: place[id(n)])
+        if ordered is None:
+            raise GraphError("remat bug: recompute left a cycle in the graph")
+        self.graph.nodes = ordered
         self.graph.link()
         return self.graph
 
-
-def _topological(clones: list[Node]) -> list[Node]:
-    """Order clones so each follows the clones it reads; otherwise keep their order."""
-    if len(clones) < 2:
-        return clones
-    members = {id(c) for c in clones}
-    done: set[int] = set()
-    out: list[Node] = []
-
-    def visit(node: Node) -> None:
-        if id(node) in done:
-            return
-        done.add(id(node))
-        for v in node.present_inputs():
-            if v.producer is not None and id(v.producer) in members:
-                visit(v.producer)
-        out.append(node)
-
-    for clone in clones:
-        visit(clone)
-    return out
