@@ -471,6 +471,40 @@ def test_a_buffer_sliced_to_the_sequence_exports_with_dynamic_dims(plain, tensor
                              dynamic_dims={0: "batch", 1: "seq"}, max_dims={"seq": 32})
 
 
+class _Conv1DLike(torch.nn.Module):
+    """GPT-2's Conv1D: x @ w of (in, out), viewed back to (*x.shape[:-1], nf), nf a Python int."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, nf: int = 24):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(nf, vocab)
+        self.w = torch.nn.Parameter(torch.randn(d, nf) * 0.1)
+        self.d, self.nf = d, nf
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        y = (x.view(-1, self.d) @ self.w).view(*x.shape[:-1], self.nf)
+        return torch.nn.functional.cross_entropy(self.head(torch.relu(y)).flatten(0, 1), targets.flatten())
+
+
+def test_a_sequence_as_long_as_a_weight_dim_stays_dynamic():
+    """make_fx's symbolic trace made every dim of every argument a symbol, and dims of equal
+    example sizes share one: at an example sequence of 24, the weight's 24 columns and the
+    sequence were one symbol, which the view to the Python int 24 fixed (GPT-2 small at seq 768,
+    BERT-base at its hidden size). Only the dynamic dims of the inputs are symbols now."""
+    from backends.onnx.torch_export import export_training_step
+
+    torch.manual_seed(0)
+    model = _Conv1DLike()
+    idx = torch.randint(0, 50, (3, 24))
+    exported = export_training_step(model, (idx, idx.flip(1)), ["idx", "targets"],
+                                    dynamic_dims={0: "batch", 1: "seq"})
+    dims = [d.dim_param or d.dim_value for d in exported.model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq"]
+    other = torch.randint(0, 50, (2, 7))
+    out = run(exported.model, {**exported.feeds, "idx": other.numpy(), "targets": other.flip(1).numpy()})
+    assert abs(float(out["loss"]) - model(other, other.flip(1)).item()) <= 1e-5
+
+
 @pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
 def test_a_trainable_parameter_the_loss_does_not_read_gets_a_zero_gradient(exporter):
     """nn.MultiheadAttention reads out_proj's weight itself, so LoRA adapters put on out_proj

@@ -224,26 +224,53 @@ def _traceable():
 
 
 def trace_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                        symbolic: bool = False, written_out: tuple = ()) -> TracedStep:
+                        dynamic_dims: dict[int, str] | None = None, written_out: tuple = ()) -> TracedStep:
     """Forward + backward of `module(*inputs) -> loss` through autograd.grad, with the core ATen
-    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md). A
-    symbolic trace takes the module's buffers as inputs too (a causal mask sliced to the
-    sequence, rotary tables): a module's own tensor is a real tensor inside the fake-tensor trace,
-    which refuses it; the traced step holds them (`_HeldBuffers`), exported as constants."""
+    decompositions (so no `nll_loss_backward` reaches the ONNX exporter; docs/design.md). With
+    `dynamic_dims` the trace is symbolic in those dims of the inputs alone (`_symbolic_inputs`),
+    and takes the module's buffers as inputs too (a causal mask sliced to the sequence, rotary
+    tables): a module's own tensor is a real tensor inside the fake-tensor trace, which refuses
+    it; the traced step holds them (`_HeldBuffers`), exported as constants."""
+    symbolic = bool(dynamic_dims)
     names, params, trainable = _parameters(module)
     step = _step_fn(module, names, len(inputs), trainable)
     held = _tensor_attributes_as_buffers(module) if symbolic else module
     buffer_names, buffers = _buffers(held) if symbolic else ([], [])
     traced = _step_fn(held, names + buffer_names, len(inputs), trainable + [False] * len(buffers)) \
         if buffers else step
+    args = (*inputs, *params, *buffers)
+    if symbolic:
+        args = _symbolic_inputs(args, len(inputs), dynamic_dims)
     with _traceable():
         with mock.patch.object(torch.nn.functional, "dropout", _native_dropout):
             graph = make_fx(traced, decomposition_table={**core_aten_decompositions(), **_DECOMPOSITIONS,
                                                          **get_decompositions(list(written_out))},
-                            tracing_mode="symbolic" if symbolic else "real")(*inputs, *params, *buffers)
+                            tracing_mode="symbolic" if symbolic else "real")(*args)
     if buffers:
         graph = _BufferedStep(graph, buffers)
     return TracedStep(graph, step, names, params, trainable, list(traced.returned))
+
+
+def _symbolic_inputs(args: tuple[torch.Tensor, ...], n_inputs: int, dynamic_dims: dict[int, str]) -> tuple:
+    """The step's arguments as fake tensors for make_fx's symbolic trace: the dynamic dims of the
+    first `n_inputs` symbolic, every other dim (the parameters' and buffers' all) static. Left
+    to make_fx, every dim of every argument is a symbol, and dims of equal example sizes share
+    one (duck sizing): GPT-2's Conv1D views its output to `nf`, a Python int, so at an example
+    sequence of 768 = 3 * d the sequence was fixed to 768 with the weight's dim, and BERT's
+    LayerNorm fixed it at 256 = its hidden size."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(k: int, t: torch.Tensor) -> torch.Tensor:
+        axes = dynamic_dims if k < n_inputs else {}
+        sizes = [DimDynamic.DYNAMIC if axis in axes else DimDynamic.STATIC for axis in range(t.dim())]
+        return mode.from_tensor(t, source=ConstantSource(f"input{k}"),
+                                symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    return tuple(fake(k, t) for k, t in enumerate(args))
 
 
 def _tensor_attributes_as_buffers(module: torch.nn.Module) -> torch.nn.Module:
@@ -514,7 +541,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
     if exporter == "aot-joint":
         traced = trace_joint_step(module, inputs, written_out)
     else:
-        traced = trace_training_step(module, inputs, symbolic=bool(dynamic_dims), written_out=written_out)
+        traced = trace_training_step(module, inputs, dynamic_dims, written_out=written_out)
     names, params, step, grad_names = traced.names, traced.params, traced.step, traced.grad_names
     forward_outputs = ["loss", *traced.returned]
     output_names = [*forward_outputs, *(f"grad.{_clean(n)}" for n in grad_names)]
