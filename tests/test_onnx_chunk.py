@@ -297,3 +297,35 @@ def test_a_size_read_from_the_region_is_computed_from_the_inputs_over_dynamic_di
         feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
         error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
         assert error <= 1e-4, (batch, seq, where)
+
+
+class InPlaceAttention(Attention):
+    """Attention whose scores are scaled and masked in place (`div_`, `masked_fill_`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        scores = q @ k.transpose(-2, -1)
+        scores.div_(q.shape[-1] ** 0.5)
+        scores.masked_fill_(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        return torch.tanh(self.out(y)).square().mean()
+
+
+def test_in_place_attention_exported_with_dynamic_dims_chunks():
+    """Over dynamic dims torch.onnx writes the in-place ops' gradient as a copy into a fresh
+    buffer of the scores' sizes (`new_empty_strided`: ConstantOfShape, CastLike), a value the
+    region cannot slice, and the attention region was refused. The importer reads such copies
+    through (backends.onnx.canonical): the region chunks, and runs at other sizes too."""
+    torch.manual_seed(0)
+    exported = export_training_step(InPlaceAttention(4, 2), (torch.randn(2, 34, 4),), ["x"],
+                                    dynamic_dims={0: "batch", 1: "seq"})
+    graph = import_model(exported.model)
+    assert not any(n.op == "ConstantOfShape" for n in graph.nodes)
+    rewrite = apply_rules(graph, compile_text(ATTENTION_RULE.format(count=3), "chunk.rule"), strict=True)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    model = export_model(rewrite.graph)
+    for shape in ((2, 34, 4), (3, 20, 4)):
+        feeds = {**exported.feeds, "x": torch.randn(*shape).numpy()}
+        error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
+        assert error <= 1e-4, (shape, where)

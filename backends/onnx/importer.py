@@ -16,6 +16,7 @@ from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.report import symbolic_dims
 from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
 
+from .canonical import read_through_copies
 from .contrib_shapes import infer_shapes
 from .dtypes import to_ir
 
@@ -131,6 +132,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     inferred = _inferred_shapes(model, label)
     opsets = {op.domain or "": op.version for op in model.opset_import}
     graph = _import_graph(inferred.graph, opsets, outer={})
+    read_through_copies(graph)
     graph.verify()
     _check_inferred_dims(graph, label)
     examples, forward_outputs = read_metadata(model, label)
