@@ -329,3 +329,24 @@ def test_in_place_attention_exported_with_dynamic_dims_chunks():
         feeds = {**exported.feeds, "x": torch.randn(*shape).numpy()}
         error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
         assert error <= 1e-4, (shape, where)
+
+
+@pytest.mark.parametrize("drop", ["last", "first"])
+def test_a_label_shift_over_dynamic_dims_runs_in_whole_sequences(drop):
+    """Over dynamic dims a row of (batch, seq, vocab) is seq rows of the head's (batch * seq)
+    tokens, a formula: the Loop's slices are whole sequences, their rows in each value computed
+    from the graph inputs' dims (the shifted logits' seq - 1 per sequence). The region was
+    refused on ONNX before (slices of whole groups at static sizes only). One rewritten graph
+    serves every size."""
+    torch.manual_seed(0)
+    exported = export_training_step(ShiftHead(16, 300, drop), _softcap_inputs(2, 24, 16, 300), ["x", "labels"],
+                                     dynamic_dims={0: "batch", 1: "seq"})
+    rules = compile_text(CHUNK_RULE.format(count=4), "chunk.rule")
+    rewrite = apply_rules(import_model(exported.model), rules, strict=True)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    model = export_model(rewrite.graph)
+    for batch, seq in ((2, 24), (3, 17), (1, 5), (5, 9)):
+        x, labels = _softcap_inputs(batch, seq, 16, 300)
+        feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
+        error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
+        assert error <= 1e-4, (batch, seq, where)

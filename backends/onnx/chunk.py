@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import sympy
@@ -237,10 +238,10 @@ def _total_weight(g: _Graph, node: Node, region: ChunkRegion) -> Value:
 
 
 def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], run: _Run,
-          sums: list[Value], scans: list[Value], divisors: dict[int, Value]) -> Graph:
+          sums: list[Value], scans: list[Value], divisors: dict[int, Value], dims: DimEmitter) -> Graph:
     """The Loop body for the slices of `run`: (iteration, cond, partial sums) in, (cond, partial
     sums, sliced outputs) out. A mean in `divisors` (region.means) runs as a sum, divided by its
-    total weight over every slice."""
+    total weight over every slice. `dims` computes sizes before the Loop (the body reads them)."""
     g = _Graph(names)
     iteration = Value(names("iteration"), DType.INT64, ())
     cond = Value(names("cond"), DType.BOOL, ())
@@ -260,10 +261,15 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         """`x` rows of the chunked value as rows of a value with this unit (ChunkMeta.unit)."""
         if unit == 1:
             return x
-        scaled = g.add("Mul", [x, g.const("unit_rows", np.array([unit.numerator], np.int64))], f"{x.name}_scaled",
-                       DType.INT64, (1,))
-        return g.add("Div", [scaled, g.const("unit_per", np.array([unit.denominator], np.int64))],
-                     f"{x.name}_rows", DType.INT64, (1,))
+        if isinstance(unit, Fraction):
+            per_row = g.const("unit_rows", np.array([unit.numerator], np.int64))
+            per = g.const("unit_per", np.array([unit.denominator], np.int64))
+        else:       # a group's rows are a formula (a sequence of seq tokens): computed before the Loop
+            numerator, denominator = sympy.fraction(sympy.cancel(unit))
+            per_row, per = dims.emit(numerator), dims.emit(denominator)
+        scaled = g.add("Mul", [x, per_row], f"{x.name}_scaled", DType.INT64, (1,))
+        return scaled if per is None or (isinstance(unit, Fraction) and unit.denominator == 1) else g.add(
+            "Div", [scaled, per], f"{x.name}_rows", DType.INT64, (1,))
 
     def span(m: ChunkMeta) -> tuple[Value, Value]:
         """The value's own rows of the slice [start, end) (Rows.span), computed in the body."""
@@ -307,7 +313,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
-            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, size)
+            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, rows(size, m.unit))
         attrs = dict(node.attrs)
         if node.op in _SHIFTS and m.dim is not None:
             _SHIFTS[node.op](g, node, region, run, inputs, attrs)
@@ -383,6 +389,8 @@ def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tu
     for one that does not (its bounds on it are the whole slice whatever its size, or it works
     along other dims)."""
     o, i = region.meta_of(outer), region.meta_of(inner)
+    if o.dim is None or not (o.rows.shifted or i.rows.shifted):
+        return None         # every row, in slices of any size (a dynamic region's are computed)
     bounds = shifted_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total)
     return None if bounds is None else (o.dim % _rank(outer), *bounds)
 
@@ -463,8 +471,9 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
     pieces: list[list[Value]] = [[] for _ in scans]
     means = {id(n) for n in region.means}
     divisors = {id(n): _total_weight(g, n, region) for n in phase.nodes if id(n) in means}
+    dims = DimEmitter(graph, g.add, g.const)
     for run in _runs(g, region, graph):
-        body = _body(phase, region, names, run, sums, scans, divisors)
+        body = _body(phase, region, names, run, sums, scans, divisors, dims)
         if unrolled:
             g.initializers.extend(body.initializers)
             for it in range(run.count):

@@ -415,7 +415,7 @@ class _Grower:
         (tokens, vocab)), which a backend running a fixed count of slices builds in whole groups
         (`finish` counts the slices in groups)."""
         symbolic = not is_static(self.size) or not isinstance(factor, Fraction)
-        if symbolic and self.graph.slicing is not SliceSizes.FIXED_COUNT:
+        if symbolic and self.graph.slicing is SliceSizes.STATIC:
             raise RefusedDynamic(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
                                  f"{self.size}, with others: slices of whole groups are built at static "
                                  f"sizes only on this backend")
