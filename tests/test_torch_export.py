@@ -503,6 +503,12 @@ def test_a_sequence_as_long_as_a_weight_dim_stays_dynamic():
     other = torch.randint(0, 50, (2, 7))
     out = run(exported.model, {**exported.feeds, "idx": other.numpy(), "targets": other.flip(1).numpy()})
     assert abs(float(out["loss"]) - model(other, other.flip(1)).item()) <= 1e-5
+    from test_chunk import ShiftHead, _softcap_inputs
+
+    # torch.export makes a dim of example size 1 static where the model's code meets it (the shift)
+    with pytest.raises(RematError, match="dynamic dim batch .* example size 0 or 1 static"):
+        export_training_step(ShiftHead(16, 300), _softcap_inputs(1, 24, 16, 300), ["x", "labels"],
+                             dynamic_dims={0: "batch", 1: "seq"})
 
 
 @pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
