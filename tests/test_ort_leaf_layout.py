@@ -125,3 +125,35 @@ def test_the_peak_model_claims_no_shape_onnx_runtime_lacks(request, experts, rew
                and not (ort_shapes[o.name] and all(isinstance(d, int) for d in ort_shapes[o.name]))]
     assert len(ort_shapes) > 100
     assert not claimed, claimed[:5]
+
+
+def test_a_static_export_hides_its_shapes_from_onnx_runtimes_buffer_reuse(tmp_path):
+    """ORT's allocation planner hands a freed buffer to the next output of the same shape when its
+    shape inference knows both, and the memory pattern then holds that buffer from its first value
+    to the last read of its last: in a static export (every shape known) forward buffers are chained
+    into the backward's recomputes and layout copies, held across the gaps, and the arena grows
+    (HF GPT-2 at the expensive tier: 136.6 MiB measured, 102.9 with the session's memory reuse
+    off). The exporter also estimates the graph with the shapes hidden from ORT
+    (hide_static_shapes) and writes it where that is lower: here about 40% lower, measured, the
+    same outputs."""
+    from backends.models import GPTConfig
+    from backends.onnx.ort_schedule import leaf_layouts
+    from backends.onnx.torch_export import export_gpt
+
+    path, _ = export_gpt(GPTConfig(vocab=1024, d_model=128, layers=2, heads=4, seq=256, batch=4),
+                         tmp_path / "gpt.onnx")
+    feeds = dict(np.load(path.with_suffix(".inputs.npz")))
+    graph = apply_rules(import_model(onnx.load(str(path))), load_rules(), tiers=("expensive",)).graph
+    schedule = schedule_for_onnxruntime(graph)
+    assert schedule.hidden_shapes and schedule.layout is LeafLayout.LAST
+    assert schedule.estimate.peak_bytes < 0.75 * schedule.estimates[LeafLayout.LAST]
+    written = export_model(graph)
+    assert any(n.op_type == "CastLike" for n in written.graph.node)
+    _, as_written = next(leaf_layouts(graph))        # leaves last, ORT knowing every shape
+    plain = export_model(as_written, for_onnxruntime=False)
+    hidden, shown = (measure(m, feeds, repeats=1).peak_above_rest for m in (written, plain))
+    assert hidden < 0.75 * shown, (hidden / 2**20, shown / 2**20)
+    assert 0.95 < schedule.estimate.peak_bytes / hidden < 1.15, (schedule.estimate.peak_bytes / 2**20, hidden / 2**20)
+    expected, got = run(plain, feeds), run(written, feeds)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
