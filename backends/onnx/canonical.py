@@ -1,4 +1,5 @@
-"""Copies that change nothing, read through at import.
+"""Copies that change nothing, read through (at import, and before a static graph's shapes are
+hidden from ONNX Runtime: ort_schedule.hide_static_shapes).
 
 torch.onnx writes an in-place `copy_(dst, src)` as `Expand(CastLike(src, dst), Shape(dst))`: the
 source cast to the destination's type and broadcast to its shape. Where the two already have the
@@ -18,8 +19,9 @@ from engine.shapes import free_dims
 
 
 def read_through_copies(graph: Graph) -> int:
-    """Replace every read of a no-op CastLike, Cast or Expand (as `_same_as`) by its input, and
-    drop them with what only they read. Returns how many were read through."""
+    """Replace every read of a no-op CastLike, Cast or Expand (as `_same_as`: the same type, and
+    for an Expand the shape of its input, from `Shape` or a constant) by its input, and drop them
+    with what only they read. Returns how many were read through."""
     kept = {id(v) for v in graph.outputs}
     symbols = {name for v in graph.inputs for d in v.shape or () for name in free_dims(d)}
     unread: list[Node] = []
@@ -47,16 +49,23 @@ def _same_as(node: Node) -> Value | None:
     if len(node.outputs) != 1 or node.subgraphs or not node.inputs or node.inputs[0] is None:
         return None
     source, out = node.inputs[0], node.outputs[0]
-    if source.dtype is DType.UNKNOWN or source.dtype is not out.dtype:
+    if source.dtype is DType.UNKNOWN or source.dtype is not out.dtype or source.dtype in _SHAPE_DTYPES:
         return None
     if node.op in ("Cast", "CastLike"):
         return source
-    if node.op == "Expand" and len(node.inputs) == 2:
+    if node.op == "Expand" and len(node.inputs) == 2 and _known(source.shape):
         target = _shape_of(node.inputs[1])
-        if target is not None and _known(source.shape) and _known(target.shape) \
-                and tuple(source.shape) == tuple(target.shape):
+        if target is not None and _known(target.shape):
+            return source if tuple(source.shape) == tuple(target.shape) else None
+        ints = node.inputs[1].ints
+        if ints is not None and all(isinstance(d, int) for d in source.shape) and list(ints) == list(source.shape):
             return source
     return None
+
+
+# Integers are shape arithmetic, not activations: left as written (ort_schedule.hide_static_shapes
+# reads shapes through a CastLike to int64 on purpose, so that ONNX Runtime does not know them).
+_SHAPE_DTYPES = (DType.INT64, DType.INT32)
 
 
 def _shape_of(shape: Value | None) -> Value | None:

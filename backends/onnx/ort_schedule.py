@@ -47,6 +47,8 @@ from engine.analysis import PeakEstimate
 from engine.failures import resolve_strict
 from engine.ir import Graph, Node, Value
 
+from .canonical import read_through_copies
+
 
 def _single_use(value: Value, graph_outputs: set[int]) -> bool:
     return len(value.users) == 1 and id(value) not in graph_outputs
@@ -321,17 +323,8 @@ def hide_static_shapes(graph: Graph) -> int:
         return h
 
     # An Expand to its input's own shape is an identity ORT removes, when it knows both shapes: it
-    # would no longer know them; it is removed here.
-    outputs = {id(v) for v in graph.outputs}
-    for node in list(graph.nodes):
-        if node.op == "Expand" and len(node.inputs) > 1 and node.inputs[0] is not None \
-                and node.inputs[1] is not None and node.inputs[1].ints is not None \
-                and id(node.outputs[0]) not in outputs and _static_shape(node.inputs[0]) \
-                and _static_shape(node.outputs[0]) and tuple(node.inputs[0].shape) == tuple(node.outputs[0].shape):
-            for user in list(node.outputs[0].users):
-                user.replace_input(node.outputs[0], node.inputs[0])
-            graph.nodes.remove(node)
-    graph.link()
+    # would no longer know them; it is read through here.
+    read_through_copies(graph)
     nodes: list[Node] = []
     for x in graph.inputs:
         if x.is_initializer or not x.users or not _static_shape(x):
