@@ -119,8 +119,11 @@ def _propagated_around(model: onnx.ModelProto, refused: Exception) -> onnx.Model
 
 
 def import_model(source: str | Path | onnx.ModelProto,
-                 dim_examples: dict[str, int] | None = None) -> Graph:
+                 dim_examples: dict[str, int] | None = None, read_through: bool = True) -> Graph:
     """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`.
+    `read_through`: copies, casts and expands that change nothing are read through (canonical.py),
+    as remat rewrites and writes a model; off for a file read as ONNX Runtime will run it (its
+    estimated peak: ORT removes some such nodes and keeps others, ort_order._eliminate).
 
     The model is validated first (remat's structural checks, `onnx.checker`, strict shape
     inference): a malformed model is a GraphError naming the model and the node, never a graph
@@ -132,7 +135,8 @@ def import_model(source: str | Path | onnx.ModelProto,
     inferred = _inferred_shapes(model, label)
     opsets = {op.domain or "": op.version for op in model.opset_import}
     graph = _import_graph(inferred.graph, opsets, outer={})
-    read_through_copies(graph)
+    if read_through:
+        read_through_copies(graph)
     graph.verify()
     _check_inferred_dims(graph, label)
     examples, forward_outputs = read_metadata(model, label)

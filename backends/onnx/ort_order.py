@@ -742,7 +742,7 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
 
     if isinstance(model_or_graph, Graph):
         return _written(schedule_for_onnxruntime(model_or_graph))
-    graph = import_model(model_or_graph)
+    graph = import_model(model_or_graph, read_through=False)     # the file as ORT reads it
     fill_shapes(graph, graph.dim_examples)
     return graph
 
@@ -759,7 +759,7 @@ def _read_back(scheduled: Graph) -> Graph:
     from .importer import import_model
 
     try:
-        graph = import_model(export_model(scheduled, for_onnxruntime=False))
+        graph = import_model(export_model(scheduled, for_onnxruntime=False), read_through=False)
     except RematError as exc:       # remat wrote it: what the import's check refuses is remat's bug
         raise ExportBug(f"remat bug: the rewritten model is not valid ONNX: {exc}; nothing was written") from None
     known = {v.name: v for v in _all_values(scheduled)}
