@@ -18,15 +18,17 @@ from engine.ir import Graph, Node, Value
 from engine.shapes import free_dims
 
 
-def read_through_copies(graph: Graph) -> int:
+def read_through_copies(graph: Graph, constant_targets: bool = False) -> int:
     """Replace every read of a no-op CastLike, Cast or Expand (as `_same_as`: the same type, and
-    for an Expand the shape of its input, from `Shape` or a constant) by its input, and drop them
-    with what only they read. Returns how many were read through."""
+    for an Expand the shape of its input, from `Shape`, or with `constant_targets` from a
+    constant) by its input, and drop them with what only they read. Returns how many were read
+    through. The import leaves an Expand to a constant as it is: torch.fx's graph of the same
+    model has it too (aten.expand before a bmm), and the two backends match the same plans."""
     kept = {id(v) for v in graph.outputs}
     symbols = {name for v in graph.inputs for d in v.shape or () for name in free_dims(d)}
     unread: list[Node] = []
     for node in graph.nodes:
-        source = _same_as(node)
+        source = _same_as(node, constant_targets)
         if source is None or id(node.outputs[0]) in kept:
             continue
         out = node.outputs[0]
@@ -44,7 +46,7 @@ def read_through_copies(graph: Graph) -> int:
     return len(unread)
 
 
-def _same_as(node: Node) -> Value | None:
+def _same_as(node: Node, constant_targets: bool) -> Value | None:
     """The input `node` gives back unchanged, if it is one of the no-ops above."""
     if len(node.outputs) != 1 or node.subgraphs or not node.inputs or node.inputs[0] is None:
         return None
@@ -57,7 +59,7 @@ def _same_as(node: Node) -> Value | None:
         target = _shape_of(node.inputs[1])
         if target is not None and _known(target.shape):
             return source if tuple(source.shape) == tuple(target.shape) else None
-        ints = node.inputs[1].ints
+        ints = node.inputs[1].ints if constant_targets else None
         if ints is not None and all(isinstance(d, int) for d in source.shape) and list(ints) == list(source.shape):
             return source
     return None

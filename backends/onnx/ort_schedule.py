@@ -324,7 +324,7 @@ def hide_static_shapes(graph: Graph) -> int:
 
     # An Expand to its input's own shape is an identity ORT removes, when it knows both shapes: it
     # would no longer know them; it is read through here.
-    read_through_copies(graph)
+    read_through_copies(graph, constant_targets=True)
     nodes: list[Node] = []
     for x in graph.inputs:
         if x.is_initializer or not x.users or not _static_shape(x):
