@@ -62,6 +62,11 @@ class Value:
         return simplify(n * self.dtype.itemsize)
 
     @property
+    def has_static_shape(self) -> bool:
+        """Every dim a number (none symbolic, none unknown)."""
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+    @property
     def type_str(self) -> str:
         return f"{self.dtype}{format_shape(self.shape)}"
 

@@ -14,18 +14,27 @@ backends' chunk builders, on the engine's nodes and on torch.fx's.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
+
+from .ir import Node
 
 N = TypeVar("N")
 
 
+def producers(node: Node) -> Iterator[Node]:
+    """The engine nodes whose outputs `node` reads (its subgraphs' captures too)."""
+    return (v.producer for v in node.reads() if v.producer is not None)
+
+
 def order_near(nodes: Sequence[N], predecessors: Callable[[N], Iterable[N]],
-               key: Callable[[N], Any]) -> list[N] | None:
-    """`nodes` topologically ordered, the ready node of least `key` first (ties in list order).
-    `predecessors(n)`: the nodes of `nodes` that n reads (others are ignored). None where the
-    nodes form a cycle."""
+               key: Callable[[N], Any] | None = None) -> list[N] | None:
+    """`nodes` topologically ordered, the ready node of least `key` first (ties, and without a
+    `key` every choice, in list order). `predecessors(n)`: the nodes of `nodes` that n reads
+    (others are ignored; `producers` for the engine's nodes). None where the nodes form a cycle."""
     seq = {id(n): k for k, n in enumerate(nodes)}
+    if key is None:
+        key = lambda n: seq[id(n)]      # noqa: E731
     users: dict[int, list[N]] = {id(n): [] for n in nodes}
     waiting: dict[int, int] = {}
     for n in nodes:

@@ -30,7 +30,7 @@ from onnx import numpy_helper
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
-from engine.order import order_near
+from engine.order import order_near, producers
 from engine.shapes import Dim, simplify
 from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
 from engine.strategies.chunk.kinds import int_param
@@ -246,7 +246,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
     iteration = Value(names("iteration"), DType.INT64, ())
     cond = Value(names("cond"), DType.BOOL, ())
     # A partial sum of a dynamic shape starts as a scalar zero and takes its shape from the first slice.
-    carried = [Value(names(f"{o.name}_sum_in"), o.dtype, o.shape if _is_static(o) else None) for o in sums]
+    carried = [Value(names(f"{o.name}_sum_in"), o.dtype, o.shape if o.has_static_shape else None) for o in sums]
     size = run.size if isinstance(run.size, Value) else g.const("slice_size", np.array([run.size], np.int64))
     offset = run.offset if isinstance(run.offset, Value) else g.const("first_offset",
                                                                       np.array([run.offset], np.int64))
@@ -261,15 +261,19 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         """`x` rows of the chunked value as rows of a value with this unit (ChunkMeta.unit)."""
         if unit == 1:
             return x
-        if isinstance(unit, Fraction):
-            per_row = g.const("unit_rows", np.array([unit.numerator], np.int64))
-            per = g.const("unit_per", np.array([unit.denominator], np.int64))
-        else:       # a group's rows are a formula (a sequence of seq tokens): computed before the Loop
-            numerator, denominator = sympy.fraction(sympy.cancel(unit))
-            per_row, per = dims.emit(numerator), dims.emit(denominator)
-        scaled = g.add("Mul", [x, per_row], f"{x.name}_scaled", DType.INT64, (1,))
-        return scaled if per is None or (isinstance(unit, Fraction) and unit.denominator == 1) else g.add(
-            "Div", [scaled, per], f"{x.name}_rows", DType.INT64, (1,))
+        # A group's rows may be a formula (a sequence of seq tokens): computed before the Loop.
+        numerator, denominator = ((unit.numerator, unit.denominator) if isinstance(unit, Fraction)
+                                  else sympy.fraction(sympy.cancel(unit)))
+
+        def size(d, base: str) -> Value:
+            if isinstance(d, (int, sympy.Integer)):
+                return g.const(base, np.array([int(d)], np.int64))
+            return dims.emit(d)
+
+        scaled = g.add("Mul", [x, size(numerator, "unit_rows")], f"{x.name}_scaled", DType.INT64, (1,))
+        if denominator == 1:
+            return scaled
+        return g.add("Div", [scaled, size(denominator, "unit_per")], f"{x.name}_rows", DType.INT64, (1,))
 
     def span(m: ChunkMeta) -> tuple[Value, Value]:
         """The value's own rows of the slice [start, end) (Rows.span), computed in the body."""
@@ -335,10 +339,6 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
                  g.initializers, name=names("chunk_body"))
 
 
-def _is_static(v: Value) -> bool:
-    return v.shape is not None and all(isinstance(d, int) for d in v.shape)
-
-
 def _resized_shape(g: _Graph, node: Node, shape: Value, meta: ChunkMeta, run: _Run, size: Value) -> Value:
     """`shape` (the target shape an op reads) with the slice's size at the dim of `meta`
     (a region whose values' rows are not the chunked value's has static slices)."""
@@ -391,8 +391,7 @@ def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tu
     o, i = region.meta_of(outer), region.meta_of(inner)
     if o.dim is None or not (o.rows.shifted or i.rows.shifted):
         return None         # every row, in slices of any size (a dynamic region's are computed)
-    bounds = shifted_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total)
-    return None if bounds is None else (o.dim % _rank(outer), *bounds)
+    return (o.dim % _rank(outer), *shifted_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total))
 
 
 def _constant_ints(node: Node, name: str, position: int) -> list[int]:
@@ -466,7 +465,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
     scan_dims = [region.meta_of(o).dim % _rank(like) for o, like in zip(scans, shaped)]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
-                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if _is_static(o)
+                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if o.has_static_shape
               else g.const(f"{o.name}_zero", np.zeros((), _numpy_dtype(o.dtype))) for o in sums]
     pieces: list[list[Value]] = [[] for _ in scans]
     means = {id(n) for n in region.means}
@@ -569,8 +568,7 @@ def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> No
 
 def sort_near(graph: Graph, rank: dict[int, tuple]) -> None:
     """Reorder `graph` topologically, each node as close to its `rank` as its inputs allow."""
-    order = order_near(graph.nodes, lambda n: (v.producer for v in n.reads() if v.producer is not None),
-                       lambda n: rank[id(n)])
+    order = order_near(graph.nodes, producers, lambda n: rank[id(n)])
     if order is None:
         raise GraphError("chunking left a cycle in the graph")
     graph.nodes = order

@@ -204,7 +204,7 @@ def ort_constants(graph: Graph, outer_constant: set[int] | frozenset[int] = froz
         elif (not node.subgraphs and node.op_type not in _NONDETERMINISTIC and node.op_type not in _NOT_FOLDED
               and (all(id(v) in constant for v in node.present_inputs())
                    or (node.op_type in _SHAPE_ONLY and node.inputs and node.inputs[0] is not None
-                       and _static(node.inputs[0]) and id(node.inputs[0]) not in unknown))):
+                       and node.inputs[0].has_static_shape and id(node.inputs[0]) not in unknown))):
             constant.update(id(o) for o in node.outputs)
             folded.add(id(node))
     return constant, folded
@@ -311,7 +311,7 @@ def _eliminate(graph: Graph) -> None:
                 continue
             same = (node.op == "Identity"
                     or (node.op == "Expand" and len(node.inputs) > 1 and node.inputs[1] is not None
-                        and node.inputs[1].is_initializer and _static(src) and _static(out)
+                        and node.inputs[1].is_initializer and src.has_static_shape and out.has_static_shape
                         and tuple(src.shape) == tuple(out.shape))
                     or (node.op == "Cast" and src.dtype is not DType.UNKNOWN and node.attrs.get("to") == src.dtype))
             if same:
@@ -367,8 +367,8 @@ def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> in
                     or bias is None or bias.shape is None):
                 continue
             a, w = mm.inputs
-            if a is None or w is None or not _static(a) or not _static(w) or len(w.shape) != 2 \
-                    or len(a.shape) < 2 or not _static(node.outputs[0]):
+            if a is None or w is None or not a.has_static_shape or not w.has_static_shape or len(w.shape) != 2 \
+                    or len(a.shape) < 2 or not node.outputs[0].has_static_shape:
                 continue
             m, n = a.shape[0], w.shape[1]
             if tuple(bias.shape) != (n,) and (len(a.shape) != 2 or tuple(bias.shape) not in ((1, n), (m, 1), (m, n))):
@@ -496,10 +496,6 @@ def _swaps_last_two(node: Node) -> bool:
         return False
     n = len(perm)
     return perm[:n - 2] == list(range(n - 2)) and perm[n - 2:] == [n - 1, n - 2]
-
-
-def _static(v: Value) -> bool:
-    return v.shape is not None and all(isinstance(d, int) for d in v.shape)
 
 
 # Inputs (by position) that ONNX shape inference reads as data: when one is not a constant, the

@@ -606,17 +606,15 @@ def _check_still_dynamic(model: onnx.ModelProto, inputs: tuple[torch.Tensor, ...
         dims = info.type.tensor_type.shape.dim
         for axis, name in sorted(dynamic_dims.items()):
             if axis < min(t.dim(), len(dims)) and dims[axis].HasField("dim_value"):
-                if dims[axis].dim_value in (0, 1):
-                    raise RematError(
-                        f"dynamic dim {name} (axis {axis}) came out static in the export, {dims[axis].dim_value} "
-                        f"in input {info.name!r}: torch.export makes a dim of example size 0 or 1 static; export "
-                        f"with an example of at least 2 in that dim")
-                raise RematError(
-                    f"dynamic dim {name} (axis {axis}) came out static in the export, {dims[axis].dim_value} in "
-                    f"input {info.name!r}: torch.export specialized it, as it does where the model ties it to a "
-                    f"fixed size, most often a buffer exactly the example's length sliced to it (nanoGPT's causal "
-                    f"mask `bias[:, :, :T, :T]`, rotary tables). Export with example inputs shorter than such "
-                    f"buffers, or with {name} static")
+                size = dims[axis].dim_value
+                cause = ("torch.export makes a dim of example size 0 or 1 static; export with an example of at "
+                         "least 2 in that dim" if size in (0, 1) else
+                         "torch.export specialized it, as it does where the model ties it to a fixed size, most "
+                         "often a buffer exactly the example's length sliced to it (nanoGPT's causal mask "
+                         "`bias[:, :, :T, :T]`, rotary tables). Export with example inputs shorter than such "
+                         f"buffers, or with {name} static")
+                raise RematError(f"dynamic dim {name} (axis {axis}) came out static in the export, {size} in "
+                                 f"input {info.name!r}: {cause}")
 
 
 def save(exported: ExportedStep, path: str | Path) -> Path:

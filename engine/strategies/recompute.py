@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..analysis import Analysis
-from ..ir import Graph, Node, Value
-from ..order import order_near
 from ..errors import GraphError
+from ..ir import Graph, Node, Value
 from ..matcher import Match, MatchContext, Reason
+from ..order import order_near, producers
 from ..patterns import Recompute, Save
 from ..plan_type import PlanType
 from ..shapes import Dim, simplify
@@ -297,9 +297,7 @@ class Rewriter:
         # Clones at one place follow the clones they read; a clone placed before an input the
         # exporter computes late (a reshape's target shape built from sizes right before the
         # original reshape) waits for it; every other node keeps its place.
-        place = {id(n): k for k, n in enumerate(nodes)}
-        ordered = order_near(nodes, lambda n: (v.producer for v in n.reads() if v.producer is not None),
-                             lambda n: place[id(n)])
+        ordered = order_near(nodes, producers)
         if ordered is None:
             raise GraphError("remat bug: recompute left a cycle in the graph")
         self.graph.nodes = ordered
