@@ -42,7 +42,7 @@ def read_through_copies(graph: Graph, constant_targets: bool = False) -> int:
         out.users = []
         unread.append(node)
     if unread:
-        _drop_unread(graph, unread, kept)
+        drop_unread(graph, unread, kept)
     return len(unread)
 
 
@@ -84,7 +84,7 @@ def _known(shape, symbols: set[str] | None = None) -> bool:
                                      for d in shape)
 
 
-def _drop_unread(graph: Graph, unread: list[Node], kept: set[int]) -> None:
+def drop_unread(graph: Graph, unread: list[Node], kept: set[int]) -> None:
     """Drop `unread` and then every node that only they read (the fresh buffer and its shape),
     nothing else: a node the model itself leaves unread stays as it was."""
     dropped: set[int] = set()

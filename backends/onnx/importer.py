@@ -16,6 +16,7 @@ from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.report import symbolic_dims
 from engine.shapes import check_example, evaluate, format_dim, free_dims, is_static, parse_dim, symbol
 
+from .broadcast import read_matmul_broadcasts
 from .canonical import read_through_copies
 from .contrib_shapes import infer_shapes
 from .dtypes import to_ir
@@ -122,6 +123,7 @@ def import_model(source: str | Path | onnx.ModelProto,
                  dim_examples: dict[str, int] | None = None, read_through: bool = True) -> Graph:
     """Load a model into the IR. Example dim values come from the model's metadata, then `dim_examples`.
     `read_through`: copies, casts and expands that change nothing are read through (canonical.py),
+    and a MatMul operand broadcast over batch dims by an Expand is read unbroadcast (broadcast.py),
     as remat rewrites and writes a model; off for a file read as ONNX Runtime will run it (its
     estimated peak: ORT removes some such nodes and keeps others, ort_order._eliminate).
 
@@ -137,6 +139,7 @@ def import_model(source: str | Path | onnx.ModelProto,
     graph = _import_graph(inferred.graph, opsets, outer={})
     if read_through:
         read_through_copies(graph)
+        read_matmul_broadcasts(graph)
     graph.verify()
     _check_inferred_dims(graph, label)
     examples, forward_outputs = read_metadata(model, label)
