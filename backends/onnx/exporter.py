@@ -25,8 +25,8 @@ from engine.onnx_ops import DTYPE_ATTRIBUTES
 from engine.shapes import format_dim, is_static, parse_dim
 
 from .dtypes import to_onnx
-from .importer import (DIM_EXAMPLES_KEY, FORWARD_OUTPUTS_KEY, PLAN_KEY, RECOMPUTE_OF_KEY, REPLACES_KEY,
-                       describe_onnx_error)
+from .importer import (DIM_EXAMPLES_KEY, EXAMPLE_SHAPES_KEY, FORWARD_OUTPUTS_KEY, PLAN_KEY, RECOMPUTE_OF_KEY,
+                       REPLACES_KEY, describe_onnx_error)
 from .ort_order import ort_constants
 from .ort_schedule import schedule_for_onnxruntime
 
@@ -74,12 +74,35 @@ def export_model(graph: Graph, base: onnx.ModelProto | None = None,
                                   producer_name="remat")
         model.ir_version = 10
         keep = {}
+    keep.pop(EXAMPLE_SHAPES_KEY, None)         # the base model's, if remat wrote it: stale here
     if graph.dim_examples:
         keep[DIM_EXAMPLES_KEY] = json.dumps(graph.dim_examples)
+        if for_onnxruntime:
+            keep[EXAMPLE_SHAPES_KEY] = json.dumps(example_shapes(graph), separators=(",", ":"))
     if graph.forward_outputs:
         keep[FORWARD_OUTPUTS_KEY] = json.dumps(graph.forward_outputs)
     helper.set_model_props(model, keep)
     return model
+
+
+def example_shapes(graph: Graph) -> dict[str, list[int]]:
+    """Each computed value's shape at the graph's example dim sizes, in every subgraph, where
+    it has one there (EXAMPLE_SHAPES_KEY)."""
+    from engine.shapes import evaluate
+
+    out: dict[str, list[int]] = {}
+
+    def visit(g: Graph) -> None:
+        for node in g.nodes:
+            for v in node.outputs:
+                dims = [evaluate(d, graph.dim_examples) for d in v.shape] if v.shape is not None else [None]
+                if all(d is not None for d in dims):
+                    out[v.name] = [int(d) for d in dims]
+            for sub in node.subgraphs.values():
+                visit(sub)
+
+    visit(graph)
+    return out
 
 
 def value_info(value: Value) -> onnx.ValueInfoProto:

@@ -739,8 +739,52 @@ def written_graph(model_or_graph: Graph | onnx.ModelProto | str | Path) -> Graph
     if isinstance(model_or_graph, Graph):
         return _written(schedule_for_onnxruntime(model_or_graph))
     graph = import_model(model_or_graph, read_through=False)     # the file as ORT reads it
+    stored = _example_shapes(graph.meta["onnx_model"])
+
+    def stored_shape(v: Value) -> tuple[int, ...] | None:
+        dims = _by_name(stored, v.name)
+        return tuple(dims) if dims is not None else None
+
+    _adopt_shapes(graph, stored_shape)
     fill_shapes(graph, graph.dim_examples)
     return graph
+
+
+def _example_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """The shapes remat wrote into the model's metadata (importer.EXAMPLE_SHAPES_KEY), where it
+    wrote them and they are well formed; else none."""
+    import json
+
+    from .importer import EXAMPLE_SHAPES_KEY
+
+    text = next((p.value for p in model.metadata_props if p.key == EXAMPLE_SHAPES_KEY), None)
+    try:
+        data = json.loads(text) if text is not None else {}
+    except (json.JSONDecodeError, RecursionError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v)}
+
+
+def _by_name(known: dict, name: str):
+    """`known[name]`, or for a recompute barrier's view (`x_rc_view`, written by the exporter)
+    its value's entry."""
+    if name not in known and name.endswith("_rc_view"):
+        name = name[:-len("_rc_view")]
+    return known.get(name)
+
+
+def _adopt_shapes(graph: Graph, shape_of) -> None:
+    """Give each value whose shape is not known at the example sizes the shape `shape_of` has
+    for it (None: none)."""
+    for v in _all_values(graph):
+        if _evaluable(v, graph.dim_examples):
+            continue
+        shape = shape_of(v)
+        if shape is not None:
+            v.shape = shape
 
 
 def _written(schedule: OrtSchedule) -> Graph:
@@ -759,14 +803,12 @@ def _read_back(scheduled: Graph) -> Graph:
     except RematError as exc:       # remat wrote it: what the import's check refuses is remat's bug
         raise ExportBug(f"remat bug: the rewritten model is not valid ONNX: {exc}; nothing was written") from None
     known = {v.name: v for v in _all_values(scheduled)}
-    for v in _all_values(graph):
-        if _evaluable(v, graph.dim_examples):
-            continue
-        twin = known.get(v.name)
-        if twin is None and v.name.endswith("_rc_view"):
-            twin = known.get(v.name[:-len("_rc_view")])
-        if twin is not None and twin.shape is not None and twin.dtype is v.dtype:
-            v.shape = tuple(twin.shape)
+
+    def twin_shape(v: Value):
+        twin = _by_name(known, v.name)
+        return tuple(twin.shape) if twin is not None and twin.shape is not None and twin.dtype is v.dtype else None
+
+    _adopt_shapes(graph, twin_shape)
     fill_shapes(graph, graph.dim_examples)
     return graph
 
