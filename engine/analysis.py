@@ -194,8 +194,8 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
                   model: MemoryModel | None = None, dim_examples: dict[str, int] | None = None) -> PeakEstimate:
     """Live bytes at each step of `order` (default: the schedule, `graph.nodes`), and the peak.
 
-    `alias_ops` adds to `model.alias_ops`: their outputs are views that keep their base alive.
-    Inputs and weights are not counted. The curve is one number per step: the buffers alive
+    `alias_ops` adds to `model.alias_ops`: their outputs are views that keep their base alive
+    (an op named in either spelling: the IR's, or the backend's `native_op`). Inputs and weights are not counted. The curve is one number per step: the buffers alive
     during the step (its outputs made, its inputs not yet freed), plus the node's transient
     bytes; with an arena, the arena's high-water mark so far stands for the buffers in it.
     """
@@ -296,7 +296,7 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
             base = node.inputs[0] if node.inputs else None
             if id(o) in outputs and not model.outputs_in_arena:
                 b = new_buffer(o, i, apart=True)
-            elif node.op in aliases and base is not None:
+            elif (node.op in aliases or node.native_op in aliases) and base is not None:
                 b = buffer_of.get(id(base))
                 if b is not None:
                     b.values.append(o)

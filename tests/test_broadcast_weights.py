@@ -97,3 +97,35 @@ def test_lora_style_frozen_attention_exports_without_its_weights_copied_per_posi
     assert broadcast_weights(raw) and not broadcast_weights(graph)
     out = run(export_model(graph), exported.feeds)
     assert max_relative_error(out, exported.reference)[0] <= 1e-5
+
+
+def test_on_torch_a_frozen_weights_expand_is_a_view_no_plan_recomputes():
+    """The same model's joint graph keeps `expand(W.t())` for the bmm's backward; in torch that
+    is a view of the weight (stride 0), so recomputing it saves nothing: the layout rule's match
+    is refused with that reason, and the peak simulation counts the view as the weight's."""
+    torch = pytest.importorskip("torch")
+    import backends.fx as fx_backend
+    from backends.fx.importer import import_fx
+    from dsl.loader import load_rules
+    from engine.analysis import estimate_peak
+
+    class Projection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(64, 64)
+            self.frozen = torch.nn.Linear(64, 192)
+            self.frozen.weight.requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(self.embed(x).transpose(0, 1)).square().mean()
+
+    model, x = Projection(), torch.randn(2, 256, 64)
+    planning = fx_backend.analyze(model, (x,), show=False)
+    assert not planning.plans
+    [refusal] = [r for r in planning.refusals if r.match.rule.name == "recompute_layout"]
+    assert "is a view of %primals" in refusal.reason.message and "saves nothing" in refusal.reason.message
+    graph = import_fx(fx_backend.joint_graph(model, (x,)))
+    [expand] = [n for n in graph.nodes if n.native_op == "aten::expand" and n.outputs[0].nbytes >= 256 * 64 * 192 * 4]
+    views = load_rules().views
+    with_views, without = estimate_peak(graph, views).peak_bytes, estimate_peak(graph).peak_bytes
+    assert without - with_views >= expand.outputs[0].nbytes

@@ -14,6 +14,7 @@ from backends.onnx.torch_export import export_training_step  # noqa: E402
 from dsl.loader import compile_text, load_rules  # noqa: E402
 from engine.analysis import analyze  # noqa: E402
 from engine.apply import plan  # noqa: E402
+from engine.plan_type import PlanType  # noqa: E402
 
 CFG = GPTConfig(vocab=1024, d_model=128, layers=2, heads=4, seq=256, batch=8)
 
@@ -21,6 +22,12 @@ CFG = GPTConfig(vocab=1024, d_model=128, layers=2, heads=4, seq=256, batch=8)
 KNOWN_DIFFERENCES = {
     # torch.onnx exports aten.split_with_sizes (one node, several outputs) as SplitToSequence + SequenceAt.
     "SplitToSequence+SequenceAt+": "Split+",
+}
+# Plans only the ONNX export has, with their reason.
+ONNX_ONLY = {
+    # A weight transposed for the backward (`permute_7 = Transpose(blocks_0_fc_weight)`): ONNX
+    # Runtime copies it; in torch it is a view of the weight, which recomputing saves nothing of.
+    "Transpose+": "a view of a weight in torch",
 }
 
 
@@ -62,7 +69,8 @@ def test_same_rules_same_plans_on_both_backends(model, exported):
 
     fx_keys, onnx_keys = normalized(fx_plans), normalized(onnx_plans)
     assert len(fx_keys) >= 8
-    assert fx_keys == onnx_keys
+    assert fx_keys == {k: n for k, n in onnx_keys.items() if k[0] not in ONNX_ONLY}
+    assert ("Transpose+", PlanType.RECOMPUTE) in onnx_keys
 
 
 def test_attention_chunk_plans_are_found_on_both_backends(model, exported):

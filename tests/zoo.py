@@ -952,10 +952,10 @@ FIXED: list[Variant] = [
       norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift", train="frozen_embed",
       expect=CHUNKS + ("recompute_activation",)),
     V("gpt_gqa_repeat_where_relu_smooth_rope", heads="gqa_repeat", mask="is_causal", mlp="relu",
-      loss="ce_smooth", logits="matmul_t", rope="rotate_half", expect=CHUNKS + ("recompute_layout",)),
+      loss="ce_smooth", logits="matmul_t", rope="rotate_half", expect=CHUNKS),
     V("gpt_gqa_expand_einsum_gelu_hand_count_tied_nobias", heads="gqa_expand", scale="einsum",
       mlp="gelu_hand", loss="ce_count", tied=True, logits="matmul_t", bias=False,
-      expect=CHUNKS + ("recompute_elementwise", "recompute_layout")),
+      expect=CHUNKS + ("recompute_elementwise",)),
     # nanoGPT's habits (Dropout(0.0) modules, forward returns (logits, loss)), Megatron's
     # baddbmm, HF's softmax(dtype=float32), a hand-written loss. The attention chunk does not
     # fire (baddbmm is not a MatMul). The loss chunk does: the returned logits leave it whole,

@@ -150,8 +150,7 @@ class FxBuilder:
         except Exception:
             if self.strict:
                 raise
-        views = self.views | {n.op for n in graph.nodes if n.native_op in self.views}   # aten::permute
-        return simulate_peak(graph, alias_ops=views).peak_bytes or 0
+        return simulate_peak(graph, alias_ops=self.views).peak_bytes or 0
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept)."""

@@ -65,21 +65,28 @@ class StashState:
 
 
 def storage_bytes(values: list[Value], views: frozenset[str]) -> Dim:
-    """Bytes held by `values`, counting a view of another value in the list once."""
+    """Bytes held by `values`, counting a view of another value in the list once, and a view of
+    a graph input or weight (which the step holds anyway) not at all: torch's expand of a frozen
+    weight over a batch, which its bmm's backward keeps, is that weight's storage."""
     ids = {id(v) for v in values}
     total: Dim = 0
     for v in values:
-        base = v
-        aliased = False
-        while base.producer is not None and base.producer.op in views and base.producer.inputs \
-                and base.producer.inputs[0] is not None:
-            base = base.producer.inputs[0]
-            if id(base) in ids:
-                aliased = True
-                break
-        if not aliased:
+        base = view_base(v, views, stop=ids)
+        if base is v or (id(base) not in ids and base.producer is not None):
             total = total + (v.nbytes or 0)
     return simplify(total)
+
+
+def view_base(v: Value, views: frozenset[str], stop: set[int] = frozenset()) -> Value:
+    """The value `v` is a view of (through ops the rules declare views, by either spelling),
+    stopping early at a value in `stop`."""
+    base = v
+    while (base.producer is not None and (base.producer.op in views or base.producer.native_op in views)
+           and base.producer.inputs and base.producer.inputs[0] is not None):
+        base = base.producer.inputs[0]
+        if id(base) in stop:
+            break
+    return base
 
 
 def grow(match: Match, ctx: MatchContext, state: StashState,
@@ -185,6 +192,10 @@ def grow(match: Match, ctx: MatchContext, state: StashState,
     nodes = sorted(region.values(), key=lambda n: position[id(n)])
     views = rules.views
     saved = storage_bytes(targets, views)
+    base = view_base(target_value, views)
+    if saved == 0 and base is not target_value and base.producer is None:
+        return Reason(action.location, f"%{target_value.name} is a view of %{base.name}, which the step holds "
+                                       "anyway: recomputing it saves nothing")
     added = storage_bytes(list(new_stash.values()), views)
     return Region(match, targets, nodes, list(leaves.values()), reused, list(new_stash.values()),
                   saved, added, replays)
