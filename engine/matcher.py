@@ -437,8 +437,9 @@ def _has_commutative(root: NodePattern) -> bool:
 
 def _root_matcher(root: NodePattern):
     """The matcher of a rule's whole pattern, built once. Without memoised patterns it is the
-    root's node matcher; with them, a wrapper that gives each attempt its memo and removes it (and
-    the records of `_memo_arg`) from the bindings of a match, and lists each matched node once."""
+    root's node matcher, which lists each matched node once where two argument patterns can meet
+    one node; with them, a wrapper that gives each attempt its memo and removes it (and the records
+    of `_memo_arg`) from the bindings of a match, and lists each matched node once."""
     fn = root.__dict__.get("_root_matcher")
     if fn is not None:
         return fn
@@ -447,8 +448,13 @@ def _root_matcher(root: NodePattern):
         if "_memo" not in pat.__dict__:
             pat.__dict__["_memo"] = _Memoised(_has_commutative(pat))
     inner = _compiled(root)
-    if not memoised:
-        fn = inner
+    if not memoised and len(_below([root], {id(root)})) < 2:
+        fn = inner                      # one node pattern below the root at most: no node twice
+    elif not memoised:
+        def fn(node: Node, bindings: dict[Any, Any], matched: list[Node]) -> None:
+            inner(node, bindings, matched)
+            if len(matched) > 2:        # two argument patterns met one node (Add(v0, v0))
+                matched[:] = dict.fromkeys(matched)
     else:
         def fn(node: Node, bindings: dict[Any, Any], matched: list[Node]) -> None:
             bindings[_MEMO] = {}
