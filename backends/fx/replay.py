@@ -1,7 +1,7 @@
 """A replay (engine.strategies.replay) built in the ATen joint graph.
 
 A recompute region through a dropout keeps the dropout's mask and computes its output again
-from it with the template std.ops declares for Dropout (`x * mask / (1 - ratio)`). The fx
+from it with the template std.ops declares for it (`x * mask * (1 / (1 - p))`). The fx
 backend does not lower the engine's rewritten IR: it tags the region's fx nodes
 MUST_RECOMPUTE and the min-cut partitioner recomputes them in backward (backends/fx/compile.py).
 A random op cannot be tagged so (the partitioner would draw new random numbers, or save and
@@ -133,6 +133,10 @@ def _fold(node: Node, operands: list) -> int | float | bool:
     if node.op == "Constant":
         return node.attrs.get("value_float", node.attrs.get("value_int"))
     if node.op in ("CastLike", "Cast"):
+        # A number cast to a tensor's type is rounded to it (ATen's dropout rounds its scale so).
+        dtype = node.attrs.get("to") if node.op == "Cast" else node.inputs[1].dtype
+        if dtype in _TORCH_DTYPES and _TORCH_DTYPES[dtype].is_floating_point:
+            return torch.tensor(operands[0], dtype=_TORCH_DTYPES[dtype]).item()
         return operands[0]
     if node.op not in _NUMBER_OPS:
         raise GraphError(f"{node.name}: a replay's {node.op} of numbers has no Python spelling")

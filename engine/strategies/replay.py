@@ -59,7 +59,9 @@ class BoundReplay:
 
 
 def replay_for(rules, node: Node) -> Replay | None:
-    return rules.replays.get(node.op) or rules.replays.get(node.native_op or "")
+    """The replay declared for the backend's own op (`native_op`: `aten::native_dropout`), else
+    for the IR's (`Dropout`): two runtimes' kernels of one op may round differently."""
+    return rules.replays.get(node.native_op or "") or rules.replays.get(node.op)
 
 
 def bound_replay(rules, node: Node) -> BoundReplay | str:
