@@ -36,8 +36,14 @@ def model():
     return gpt(CFG)
 
 
-def test_joint_graph_imports_with_onnx_names_and_native_ops(model):
-    graph = import_fx(fx_backend.joint_graph(model, model.example_inputs()))
+@pytest.fixture(scope="module")
+def joint(model):
+    """The model's joint graph, traced once for the tests that import it (import_fx only reads it)."""
+    return fx_backend.joint_graph(model, model.example_inputs())
+
+
+def test_joint_graph_imports_with_onnx_names_and_native_ops(joint):
+    graph = import_fx(joint)
     graph.verify()
     ops = {n.op for n in graph.nodes}
     assert {"Gelu", "Softmax", "LayerNormalization", "MatMul", "Gemm", "Reshape"} <= ops
@@ -73,7 +79,7 @@ def test_same_rules_same_plans_on_both_backends(model, exported):
     assert ("Transpose+", PlanType.RECOMPUTE) in onnx_keys
 
 
-def test_attention_chunk_plans_are_found_on_both_backends(model, exported):
+def test_attention_chunk_plans_are_found_on_both_backends(joint, exported):
     """The shipped attention rule, with its sizes lowered to this small model's scores
     (8 MiB a layer, in 2 MiB slices): one type-3 plan per layer on the joint graph and on its ONNX
     export, both growing two-phase regions (ONNX reductions read their axes from an input)."""
@@ -82,7 +88,7 @@ def test_attention_chunk_plans_are_found_on_both_backends(model, exported):
                                                                                   "bytes(scores) / 2 MiB")
     rules = compile_text(text, "chunk.rule")
     rules = rules.of_types({3})
-    fx_planning = plan(import_fx(fx_backend.joint_graph(model, model.example_inputs()), fold=False), rules)
+    fx_planning = plan(import_fx(joint, fold=False), rules)
     onnx_planning = plan(exported, rules)
     for planning in (fx_planning, onnx_planning):
         [chunk] = [p for p in planning.plans if p.rules == ["chunk_attention_scores"]]
