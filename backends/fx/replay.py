@@ -128,13 +128,18 @@ def _missing(v: Value, node: Node):
     raise GraphError(f"{node.name} ({node.op}) reads %{v.name}, which the replay does not make")
 
 
+def _cast_to(node: Node):
+    """The type a Cast (its `to`) or a CastLike (its second input's) casts to."""
+    return node.attrs.get("to") if node.op == "Cast" else node.inputs[1].dtype
+
+
 def _fold(node: Node, operands: list) -> int | float | bool:
     """A template op whose operands are all numbers (`Sub(1, ratio)`), computed here."""
     if node.op == "Constant":
         return node.attrs.get("value_float", node.attrs.get("value_int"))
     if node.op in ("CastLike", "Cast"):
         # A number cast to a tensor's type is rounded to it (ATen's dropout rounds its scale so).
-        dtype = node.attrs.get("to") if node.op == "Cast" else node.inputs[1].dtype
+        dtype = _cast_to(node)
         if dtype in _TORCH_DTYPES and _TORCH_DTYPES[dtype].is_floating_point:
             return torch.tensor(operands[0], dtype=_TORCH_DTYPES[dtype]).item()
         return operands[0]
@@ -151,7 +156,7 @@ def _spell(node: Node, operands: list) -> tuple[Callable | None, tuple]:
     if op == "Identity":
         return aten.alias.default, (operands[0],)
     if op in ("Cast", "CastLike"):
-        dtype = node.attrs.get("to") if op == "Cast" else node.inputs[1].dtype
+        dtype = _cast_to(node)
         if dtype not in _TORCH_DTYPES or not tensors[0]:
             raise GraphError(f"{node.name}: a replay's {op} to {dtype} has no ATen spelling")
         return prims.convert_element_type.default, (operands[0], _TORCH_DTYPES[dtype])

@@ -16,16 +16,15 @@ itself: the same products, without the copies.
 """
 from __future__ import annotations
 
-from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
+
+from .canonical import drop_unread, same_activation_type
 
 
 def read_matmul_broadcasts(graph: Graph) -> int:
     """Rewrite, in place, every Expand that only broadcasts a MatMul operand over batch dims (see
     the module docstring) so that the MatMuls read its input; the Expand and what only it read
     are dropped. Returns how many Expands went."""
-    from .canonical import drop_unread
-
     kept = {id(v) for v in graph.outputs}
     gone: list[Node] = []
     for node in graph.nodes:
@@ -45,7 +44,7 @@ def _only_broadcasts_matmul_operands(node: Node, kept: set[int]) -> bool:
     if node.op != "Expand" or len(node.inputs) != 2 or node.inputs[0] is None:
         return False
     source, out = node.inputs[0], node.outputs[0]
-    if source.dtype is DType.UNKNOWN or source.dtype is not out.dtype or source.dtype in (DType.INT64, DType.INT32):
+    if not same_activation_type(source, out):
         return False
     if source.shape is None or out.shape is None or len(out.shape) < 3 or len(source.shape) < 2:
         return False

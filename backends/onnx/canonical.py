@@ -51,7 +51,7 @@ def _same_as(node: Node, constant_targets: bool) -> Value | None:
     if len(node.outputs) != 1 or node.subgraphs or not node.inputs or node.inputs[0] is None:
         return None
     source, out = node.inputs[0], node.outputs[0]
-    if source.dtype is DType.UNKNOWN or source.dtype is not out.dtype or source.dtype in _SHAPE_DTYPES:
+    if not same_activation_type(source, out):
         return None
     if node.op in ("Cast", "CastLike"):
         return source
@@ -68,6 +68,11 @@ def _same_as(node: Node, constant_targets: bool) -> Value | None:
 # Integers are shape arithmetic, not activations: left as written (ort_schedule.hide_static_shapes
 # reads shapes through a CastLike to int64 on purpose, so that ONNX Runtime does not know them).
 _SHAPE_DTYPES = (DType.INT64, DType.INT32)
+
+
+def same_activation_type(source: Value, out: Value) -> bool:
+    """`out` has `source`'s known type, and it is not shape arithmetic's (_SHAPE_DTYPES)."""
+    return source.dtype is not DType.UNKNOWN and source.dtype is out.dtype and source.dtype not in _SHAPE_DTYPES
 
 
 def _shape_of(shape: Value | None) -> Value | None:
