@@ -25,7 +25,8 @@ type, `Transpose(Transpose(x))` composed, gone when the identity; a graph output
 by the producer), common-subexpression elimination, and the fusions that make new nodes in
 the order ORT makes them: a 2-D `Transpose` into the `Gemm` reading it, `Add(MatMul(a, w), bias)`
 into a Gemm (MatMulAddFusion), `CastLike` into `Cast`, a `Transpose` of the last two dims into
-the `MatMul` reading it (FusedMatMul). Attention, Gelu or LayerNorm fusions find nothing in the
+the `MatMul` reading it (FusedMatMul), a `Mul` or `Div` by a scalar constant on a float matmul's
+input or output into its `alpha` (MatMulScaleFusion). Attention, Gelu or LayerNorm fusions find nothing in the
 graphs torch.onnx and remat write (their ops are fused already) and are not modelled.
 
 Memory (`ort_memory_model`), from ORT's source (allocation_planner.cc, mem_pattern_planner.h,
@@ -83,7 +84,7 @@ import onnx
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
 from engine.errors import RematError
-from engine.ir import Graph, Node, Value
+from engine.ir import Graph, Node, Value, captured_values
 
 if TYPE_CHECKING:
     from .ort_schedule import OrtSchedule
@@ -240,12 +241,13 @@ def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknow
     _eliminate(graph)
     _merge_common(graph)
     # Fusions that make new nodes (the next free indices), in the order ORT's transformers run
-    # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes), each visiting
+    # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes, then scales), each visiting
     # the nodes in the order of the walk.
     next_index = _fuse_transposes(graph, index, next_index, ("Gemm",))
     next_index = _fuse_matmul_add(graph, index, next_index)
     next_index = _castlike_to_cast(graph, index, next_index)
     next_index = _fuse_transposes(graph, index, next_index, ("MatMul", "com.microsoft::FusedMatMul"))
+    next_index = _fuse_matmul_scale(graph, index, next_index, constant)
 
     order = ort_order(graph, index)
     unknown = ort_unknown_shapes(graph, order, outer_unknown, view.symbols, view.declared)
@@ -453,6 +455,84 @@ def _fuse_transposes(graph: Graph, index: dict[int, int], next_index: int, ops: 
         graph.nodes = [fused if n is node else n for n in graph.nodes]
         graph.link()
         unread = {id(t) for t in folded if not any(o.users for o in t.outputs)}
+        if unread:
+            graph.nodes = [n for n in graph.nodes if id(n) not in unread]
+            graph.link()
+        index[id(fused)] = next_index
+        next_index += 1
+    return next_index
+
+
+def _reads(node: Node, v: Value) -> int:
+    """How many edges ORT's graph has from `v` to `node` (an input slot each; a subgraph's reads
+    of it one implicit input)."""
+    return sum(1 for w in node.inputs if w is v) + any(w is v for sub in node.subgraphs.values()
+                                                       for w in captured_values(sub))
+
+
+def _edges(v: Value) -> int:
+    return sum(_reads(user, v) for user in v.users)
+
+
+def _scale_operand(node: Node, constant: set[int]) -> int | None:
+    """The position of the scalar constant a `Mul` or `Div` scales by (a divisor only: Div's
+    input 1), where it has one: a constant of one element whose rank is at most the other
+    operand's, so that it broadcasts nothing (matmul_scale_fusion.cc, GetScaleFromNode)."""
+    if node.op not in ("Mul", "Div") or len(node.inputs) != 2 or None in node.inputs:
+        return None
+    for slot in ((1,) if node.op == "Div" else (0, 1)):
+        scale, other = node.inputs[slot], node.inputs[1 - slot]
+        if id(scale) not in constant or scale.shape is None or not all(d == 1 for d in scale.shape):
+            continue
+        if other.shape is not None and len(scale.shape) > len(other.shape):
+            continue
+        return slot
+    return None
+
+
+def _fuse_matmul_scale(graph: Graph, index: dict[int, int], next_index: int, constant: set[int]) -> int:
+    """ORT's MatMulScaleFusion (level 2, after the transposes'): a `Mul` or `Div` by a scalar
+    constant on a matmul's input (its other operand of known rank above 0) or on its output (read
+    by that node alone, not a graph output) becomes FusedMatMul's `alpha`: a new node, a new
+    index, and the scaled product (or input) is no longer a tensor. An input's scale node goes
+    when the matmul was its only reader. On the CPU only float and double matmuls fuse. Measured:
+    a softcapped loss's `logits / cap` in a chunk Loop's body (one slice buffer fewer)."""
+    outputs = {id(v) for v in graph.outputs}
+    for node in ort_order(graph, index):
+        if node.op not in ("MatMul", "com.microsoft::FusedMatMul") or node not in graph.nodes \
+                or len(node.inputs) < 2 or None in node.inputs[:2] \
+                or node.inputs[0].dtype not in (DType.FLOAT32, DType.FLOAT64):
+            continue
+        inputs = list(node.inputs)
+        merged_inputs = []
+        for slot in (0, 1):
+            scaler = inputs[slot].producer
+            at = _scale_operand(scaler, constant) if scaler is not None and scaler.op in ("Mul", "Div") else None
+            if at is None:
+                continue
+            unscaled = scaler.inputs[1 - at]
+            if unscaled.shape is None or not unscaled.shape:
+                continue
+            inputs[slot] = unscaled
+            merged_inputs.append(scaler)
+        product = node.outputs[0]
+        scaled_by = None
+        if id(product) not in outputs and _edges(product) == 1:
+            user = product.users[0]
+            at = _scale_operand(user, constant)
+            if at is not None and user.inputs[1 - at] is product:
+                scaled_by = user
+        if not merged_inputs and scaled_by is None:
+            continue
+        result = scaled_by.outputs[0] if scaled_by is not None else product
+        fused = Node("com.microsoft::FusedMatMul", inputs, [result], dict(node.attrs),
+                     f"{node.name}/MatMulScaleFusion/")
+        gone = {id(node)} | ({id(scaled_by)} if scaled_by is not None else set())
+        at = graph.nodes.index(node)
+        graph.nodes[at:at + 1] = [fused]
+        graph.nodes = [n for n in graph.nodes if id(n) not in gone]
+        graph.link()
+        unread = {id(s) for s in merged_inputs if not any(o.users or id(o) in outputs for o in s.outputs)}
         if unread:
             graph.nodes = [n for n in graph.nodes if id(n) not in unread]
             graph.link()
