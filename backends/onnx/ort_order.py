@@ -452,15 +452,25 @@ def _fuse_transposes(graph: Graph, index: dict[int, int], next_index: int, ops: 
         op = "Gemm" if node.op == "Gemm" else "com.microsoft::FusedMatMul"
         suffix = "GemmTransposeFusion" if op == "Gemm" else "MatmulTransposeFusion"
         fused = Node(op, inputs, node.outputs, attrs, f"{node.name}/{suffix}/")
-        graph.nodes = [fused if n is node else n for n in graph.nodes]
-        graph.link()
-        unread = {id(t) for t in folded if not any(o.users for o in t.outputs)}
-        if unread:
-            graph.nodes = [n for n in graph.nodes if id(n) not in unread]
-            graph.link()
-        index[id(fused)] = next_index
-        next_index += 1
+        next_index = _put_fused(graph, index, next_index, node, fused, folded)
     return next_index
+
+
+def _put_fused(graph: Graph, index: dict[int, int], next_index: int, node: Node, fused: Node,
+               folded: list[Node], gone: tuple[Node, ...] = ()) -> int:
+    """`fused` in `node`'s place with the next free index; the nodes in `gone` removed, and those
+    of `folded` that nothing reads any more (an output of the graph is read). Returns the next
+    free index."""
+    outputs = {id(v) for v in graph.outputs}
+    dropped = {id(n) for n in gone}
+    graph.nodes = [fused if n is node else n for n in graph.nodes if id(n) not in dropped]
+    graph.link()
+    unread = {id(t) for t in folded if not any(o.users or id(o) in outputs for o in t.outputs)}
+    if unread:
+        graph.nodes = [n for n in graph.nodes if id(n) not in unread]
+        graph.link()
+    index[id(fused)] = next_index
+    return next_index + 1
 
 
 def _reads(node: Node, v: Value) -> int:
@@ -527,17 +537,8 @@ def _fuse_matmul_scale(graph: Graph, index: dict[int, int], next_index: int, con
         result = scaled_by.outputs[0] if scaled_by is not None else product
         fused = Node("com.microsoft::FusedMatMul", inputs, [result], dict(node.attrs),
                      f"{node.name}/MatMulScaleFusion/")
-        gone = {id(node)} | ({id(scaled_by)} if scaled_by is not None else set())
-        at = graph.nodes.index(node)
-        graph.nodes[at:at + 1] = [fused]
-        graph.nodes = [n for n in graph.nodes if id(n) not in gone]
-        graph.link()
-        unread = {id(s) for s in merged_inputs if not any(o.users or id(o) in outputs for o in s.outputs)}
-        if unread:
-            graph.nodes = [n for n in graph.nodes if id(n) not in unread]
-            graph.link()
-        index[id(fused)] = next_index
-        next_index += 1
+        next_index = _put_fused(graph, index, next_index, node, fused, merged_inputs,
+                                (scaled_by,) if scaled_by is not None else ())
     return next_index
 
 
