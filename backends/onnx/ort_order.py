@@ -26,8 +26,10 @@ by the producer), common-subexpression elimination, and the fusions that make ne
 the order ORT makes them: a 2-D `Transpose` into the `Gemm` reading it, `Add(MatMul(a, w), bias)`
 into a Gemm (MatMulAddFusion), `CastLike` into `Cast`, a `Transpose` of the last two dims into
 the `MatMul` reading it (FusedMatMul), a `Mul` or `Div` by a scalar constant on a float matmul's
-input or output into its `alpha` (MatMulScaleFusion). Attention, Gelu or LayerNorm fusions find nothing in the
-graphs torch.onnx and remat write (their ops are fused already) and are not modelled.
+input or output into its `alpha` (MatMulScaleFusion), a tanh GELU written out (nanoGPT's
+`new_gelu`) into one FastGelu where each inner value has one reader, as remat's recompute of the
+activation leaves it (FastGeluFusion). The erf Gelu, Attention or LayerNorm fusions find nothing
+in the graphs torch.onnx and remat write (their ops are fused already) and are not modelled.
 
 Memory (`ort_memory_model`), from ORT's source (allocation_planner.cc, mem_pattern_planner.h,
 execution_frame.cc, loop.cc, where_op.cc) and measured op by op (strace of the run's mmaps with
@@ -79,6 +81,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import math
+
+import numpy as np
 import onnx
 
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
@@ -229,6 +234,10 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
                 v.is_initializer = True
         if not folded:
             return constant
+        for node in graph.nodes:
+            if node.op == "Constant" and id(node) in folded:
+                for o in node.outputs:       # what a fusion reads of a constant (`_number`)
+                    o.data = o.data if o.data is not None else _constant_payload(node)
         graph.nodes = [n for n in graph.nodes if id(n) not in folded]
         graph.link()
 
@@ -241,12 +250,13 @@ def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknow
     _eliminate(graph)
     _merge_common(graph)
     # Fusions that make new nodes (the next free indices), in the order ORT's transformers run
-    # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes, then scales), each visiting
+    # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes, tanh GELUs, scales), each visiting
     # the nodes in the order of the walk.
     next_index = _fuse_transposes(graph, index, next_index, ("Gemm",))
     next_index = _fuse_matmul_add(graph, index, next_index)
     next_index = _castlike_to_cast(graph, index, next_index)
     next_index = _fuse_transposes(graph, index, next_index, ("MatMul", "com.microsoft::FusedMatMul"))
+    next_index = _fuse_fast_gelu(graph, index, next_index, constant)
     next_index = _fuse_matmul_scale(graph, index, next_index, constant)
 
     order = ort_order(graph, index)
@@ -539,6 +549,133 @@ def _fuse_matmul_scale(graph: Graph, index: dict[int, int], next_index: int, con
                      f"{node.name}/MatMulScaleFusion/")
         next_index = _put_fused(graph, index, next_index, node, fused, merged_inputs,
                                 (scaled_by,) if scaled_by is not None else ())
+    return next_index
+
+
+def _constant_payload(node: Node):
+    """A `Constant` node's value: its TensorProto, or the number it states."""
+    for key in ("value", "value_float", "value_int"):
+        if key in node.attrs:
+            return node.attrs[key]
+    return None
+
+
+def _number(v: Value | None, constant: set[int]) -> float | None:
+    """The number a constant of one element holds (rank 0 or [1], as ORT's IsScalar), else None."""
+    if v is None or id(v) not in constant or v.shape is None or len(v.shape) > 1 \
+            or any(d != 1 for d in v.shape):
+        return None
+    data = v.data
+    if isinstance(data, onnx.TensorProto):
+        from onnx import numpy_helper
+
+        data = numpy_helper.to_array(data)
+    try:
+        return float(np.asarray(data, dtype=np.float64).reshape(-1)[0]) if data is not None else None
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _holds(v: Value | None, expected: float, constant: set[int]) -> bool:
+    """ORT's IsInitializerWithExpectedValue: within FLT_EPSILON of `expected`."""
+    got = _number(v, constant)
+    return got is not None and math.isfinite(got) and abs(got - expected) <= FLT_EPSILON
+
+
+FLT_EPSILON = 1.1920928955078125e-07
+
+
+def _sole_reader(v: Value, op: str, outputs: set[int]) -> Node | None:
+    """The one node that reads `v` (one edge), if it is an `op` in float32 whose outputs are not
+    graph outputs (fast_gelu_fusion.cc's CheckNode on the next node of the chain)."""
+    if id(v) in outputs or _edges(v) != 1:
+        return None
+    node = v.users[0]
+    ok = node.op == op and not node.subgraphs and all(id(o) not in outputs for o in node.outputs) \
+        and all(w.dtype is DType.FLOAT32 for w in node.present_inputs() if w.dtype is not DType.UNKNOWN)
+    return node if ok else None
+
+
+def _other(node: Node, v: Value) -> Value | None:
+    """A binary node's input that is not `v`."""
+    ins = list(node.inputs)
+    return ins[1] if len(ins) == 2 and ins[0] is v else ins[0] if len(ins) == 2 and ins[1] is v else None
+
+
+def _gelu_core(start: Node, constant: set[int], outputs: set[int]) -> tuple[Value, Node, list[Node]] | None:
+    """The part of a tanh GELU from `start` to the Tanh's input (fast_gelu_fusion.cc's two
+    formulas): x, the node whose output the Tanh reads, and the nodes so far. First formula:
+    Mul(x, 0.044715) -> Mul(x) -> Add(1) -> Mul(Mul(x, sqrt(2/pi))); second (nanoGPT's
+    `x + 0.044715 * pow(x, 3)`): Pow(x, 3) -> Mul(0.044715) -> Add(x) -> Mul(sqrt(2/pi))."""
+    if start.op == "Mul" and len(start.inputs) == 2:
+        for k in (0, 1):
+            if not _holds(start.inputs[k], 0.044715, constant):
+                continue
+            x = start.inputs[1 - k]
+            mul2 = _sole_reader(start.outputs[0], "Mul", outputs)
+            if mul2 is None or _other(mul2, start.outputs[0]) is not x:
+                return None
+            add1 = _sole_reader(mul2.outputs[0], "Add", outputs)
+            if add1 is None or not _holds(_other(add1, mul2.outputs[0]), 1.0, constant):
+                return None
+            mul3 = _sole_reader(add1.outputs[0], "Mul", outputs)
+            mul4 = _other(mul3, add1.outputs[0]).producer if mul3 is not None else None
+            if mul4 is None or mul4.op != "Mul" or _edges(mul4.outputs[0]) != 1 or id(mul4.outputs[0]) in outputs:
+                return None
+            if not any(_holds(mul4.inputs[j], SQRT_2_OVER_PI, constant) and mul4.inputs[1 - j] is x
+                       for j in (0, 1)):
+                return None
+            return x, mul3, [start, mul2, add1, mul3, mul4]
+        return None
+    if start.op == "Pow" and len(start.inputs) == 2 and _holds(start.inputs[1], 3.0, constant):
+        x = start.inputs[0]
+        if x.producer is not None and x.producer.op == "Cast":
+            return None     # ORT's Cast variant (ORTModule's fp16 exports) is not modelled: not fused
+        mul1 = _sole_reader(start.outputs[0], "Mul", outputs)
+        if mul1 is None or not _holds(_other(mul1, start.outputs[0]), 0.044715, constant):
+            return None
+        add1 = _sole_reader(mul1.outputs[0], "Add", outputs)
+        if add1 is None or _other(add1, mul1.outputs[0]) is not x:
+            return None
+        mul2 = _sole_reader(add1.outputs[0], "Mul", outputs)
+        if mul2 is None or not _holds(_other(mul2, add1.outputs[0]), SQRT_2_OVER_PI, constant):
+            return None
+        return x, mul2, [start, mul1, add1, mul2]
+    return None
+
+
+SQRT_2_OVER_PI = 0.7978845834732056
+
+
+def _fuse_fast_gelu(graph: Graph, index: dict[int, int], next_index: int, constant: set[int]) -> int:
+    """ORT's FastGeluFusion (level 2, on the CPU in float32): a tanh GELU written out,
+    `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` (`_gelu_core`'s two spellings),
+    becomes one FastGelu node, a new index, writing the last Mul's output; none of the chain's
+    values exists. Each inner value must have this one reader, which a training step's forward
+    gives only where the backward reads a recomputed copy (remat's recompute of the MLP's
+    activation: measured on a hand-written GELU, 5 MiB of a 80 MiB step). The `0.5 * x` Mul is
+    fused too; where something else reads it, the chain is left as it is here."""
+    outputs = {id(v) for v in graph.outputs}
+    for start in ort_order(graph, index):
+        if start not in graph.nodes or start.op not in ("Mul", "Pow") or _edges(start.outputs[0]) != 1 \
+                or not start.inputs or start.inputs[0] is None or start.inputs[0].dtype is not DType.FLOAT32:
+            continue
+        core = _gelu_core(start, constant, outputs)
+        if core is None:
+            continue
+        x, tanh_input, chain = core
+        tanh = _sole_reader(tanh_input.outputs[0], "Tanh", outputs)
+        add2 = _sole_reader(tanh.outputs[0], "Add", outputs) if tanh is not None else None
+        if add2 is None or not _holds(_other(add2, tanh.outputs[0]), 1.0, constant) or _edges(add2.outputs[0]) != 1:
+            continue
+        mul5 = add2.outputs[0].users[0]
+        half = _other(mul5, add2.outputs[0]) if mul5.op == "Mul" else None
+        mul6 = half.producer if half is not None else None
+        if mul6 is None or mul6.op != "Mul" or id(mul5.outputs[0]) in outputs or _edges(half) != 1 \
+                or not any(_holds(mul6.inputs[j], 0.5, constant) and mul6.inputs[1 - j] is x for j in (0, 1)):
+            continue
+        fused = Node("com.microsoft::FastGelu", [x], [mul5.outputs[0]], {}, "GPT2Gelu")
+        next_index = _put_fused(graph, index, next_index, mul5, fused, [], (*chain, tanh, add2, mul6))
     return next_index
 
 
