@@ -68,9 +68,18 @@ class Verification:
     error: float
     output: str
     float64_error: float | None = None
+    # Where ONNX Runtime cannot run the step in float64 (no double kernel: its CPU Conv): the
+    # output's error against torch in float64, ONNX Runtime's float32 run's and torch's own
+    # float32 step's (`exact_errors`)
+    exact: tuple[float, float] | None = None
 
     def describe(self) -> str:
         text = f"gradients match torch (largest relative error {self.error:.2e})"
+        if self.exact is not None:
+            ours, torchs = self.exact
+            return (f"gradients match torch within its own float32 rounding: on {self.output}, where they "
+                    f"differ by {self.error:.2e}, ONNX Runtime's float32 is {ours:.2e} from torch's float64 "
+                    f"gradient and torch's float32 {torchs:.2e} (an output near zero, rounding noise)")
         if self.float64_error is None:
             return text
         return (f"gradients match torch in float64 (largest relative error {self.float64_error:.2e}); in "
@@ -679,13 +688,42 @@ def float64_error(exported: ExportedStep, rewrite: Callable[[onnx.ModelProto], o
         return None
 
 
+# How much further from torch's float64 gradient than torch's own float32 gradient ONNX Runtime's
+# float32 may be (`exact_errors`): the same computation rounded in another order.
+ROUNDING_FACTOR = 2.0
+
+
+def exact_errors(exported: ExportedStep, model: onnx.ModelProto | None = None) -> dict[str, tuple[float, float]] | None:
+    """Each output's relative error against torch's step on a float64 copy of the module: of
+    `model` (the exported step by default) run in float32 by ONNX Runtime, and of torch's own
+    float32 step. None with dropout (the masks are drawn anew) or where the float64 copy cannot
+    be had. For a step ONNX Runtime cannot run in float64 (its CPU Conv has float kernels only:
+    ViT's patches): an output that is rounding noise in float32 (an attention key bias's
+    gradient, zero in exact arithmetic) is as far from the exact value in torch as in ONNX Runtime."""
+    if exported.float64 is None or exported.with_masks is not None:
+        return None
+    try:
+        exact = exported.float64().reference
+    except Exception:  # noqa: BLE001 - an opinion only: without it the float32 verdict stands
+        return None
+    from .runtime import run
+
+    if not exact or set(exact) != set(exported.reference):
+        return None
+    ours = relative_errors(run(exported.model if model is None else model, exported.feeds), exact)
+    torchs = relative_errors(exported.reference, exact)
+    return {name: (ours[name], torchs[name]) for name in exact}
+
+
 def verify(exported: ExportedStep, rtol: float = 1e-4) -> Verification:
     """Run the exported step in ONNX Runtime and check its loss and gradients against torch's.
 
     Where an output is over `rtol` in float32, the step is exported again from a float64 copy of
     the module and checked in float64. Within `rtol` there, the float32 difference is rounding and
-    the export stands (the Verification says so); otherwise, or where float64 cannot be had, it
-    is a RematError naming the output.
+    the export stands (the Verification says so). Where ONNX Runtime cannot run the float64 step,
+    the float32 one is judged against torch's float64 gradients beside torch's own float32 ones
+    (`exact_errors`): within `ROUNDING_FACTOR` times torch's own error (or `rtol`) on every output,
+    it stands. Otherwise it is a RematError naming the output.
 
     Why: a graph can compute torch's function and still differ by more than rounding. Where a
     derivative jumps (ReLU at zero), an input within float32 rounding of the jump lands on one side
@@ -703,6 +741,9 @@ def verify(exported: ExportedStep, rtol: float = 1e-4) -> Verification:
     error64 = float64_error(exported)
     if error64 is not None and error64 <= rtol:
         return Verification(error, output, error64)
+    exact = exact_errors(exported) if error64 is None else None
+    if exact is not None and all(ours <= max(rtol, ROUNDING_FACTOR * torchs) for ours, torchs in exact.values()):
+        return Verification(error, output, exact=exact[output])
     also = "" if error64 is None else f" (in float64 too: {error64:.3g})"
     raise RematError(f"exported training graph disagrees with torch on {output}: "
                      f"relative error {error:.3g} > {rtol}{also}")
