@@ -275,6 +275,31 @@ def test_without_float64_kernels_torchs_own_rounding_is_the_measure():
         verify(exported)
 
 
+def test_a_python_read_of_a_tensor_value_is_named_where_it_is(tmp_path):
+    """transformers' padding check reads input_ids' values when no attention mask is given
+    (DeBERTa-v2 did not export): the error says where in the model, and what to do, instead of
+    torch's advice about tracing modes, which `remat export` does not offer."""
+    from backends.onnx.torch_export import export_checked
+    from engine.errors import RematError
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if (x > 0).any():                  # the data-dependent branch
+                x = x * 2
+            return self.lin(x).square().mean()
+
+    line = Branchy.forward.__code__.co_firstlineno + 1
+    with pytest.raises(RematError) as err:
+        export_checked(Branchy(), (torch.randn(3, 4),), tmp_path / "b.onnx", ["x"])
+    text = str(err.value)
+    assert "reads a tensor's value in Python at" in text and f"test_torch_export.py:{line} in forward" in text
+    assert "tracing_mode" not in text
+
+
 class _SdpaAttention(torch.nn.Module):
     """Causal attention through F.scaled_dot_product_attention (Hugging Face's default), with
     dropout on the probabilities and grouped key/value heads."""

@@ -26,6 +26,7 @@ import copy
 import functools
 import json
 import logging
+import traceback
 from collections.abc import Callable
 import warnings
 from unittest import mock
@@ -764,6 +765,48 @@ def relative_errors(outputs: dict[str, np.ndarray], reference: dict[str, np.ndar
             for name, ref in reference.items()}
 
 
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_REMAT_DIRS = tuple(str(Path(__file__).resolve().parents[2] / package) + "/" for package in ("backends", "engine", "dsl"))
+# What torch raises where traced code reads a tensor's value in Python (`if t:`, `t.item()`,
+# `x in t`): make_fx's message, and torch's exceptions for a value its fake tensors cannot give.
+_DATA_DEPENDENT = ("_local_scalar_dense", "DataDependentOutputException", "GuardOnDataDependentSymNode")
+
+
+def model_frame(exc: BaseException) -> str | None:
+    """Where in the user's code (or a library it calls, transformers) `exc` was raised: the
+    innermost frame outside torch and remat, as `file:line in function`; None if there is none."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:      # torch re-raises: the innermost knows best
+        chain.append(exc)
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    for inner in reversed(chain):
+        where = None
+        for frame in traceback.extract_tb(inner.__traceback__):
+            path = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+            if path and not path.startswith((_TORCH_DIR + "/", *_REMAT_DIRS)):
+                where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+        if where is not None:
+            return where
+    return None
+
+
+def export_failure(exporter: str, exc: BaseException) -> str:
+    """The message for an exporter's failure: torch's reason in one line and where in the model it
+    happened. A read of a tensor's value in Python (transformers' padding check on input_ids when
+    no attention mask is given, DeBERTa) is said as such, instead of torch's advice about tracing
+    modes, which `remat export` does not offer."""
+    where = model_frame(exc)
+    text = one_line(exc)
+    if any(mark in text for mark in _DATA_DEPENDENT):
+        at = f" at {where}" if where else ""
+        return (f"the {exporter} exporter could not export the step: the model reads a tensor's value in "
+                f"Python{at} (an `if` on a tensor, `.item()`, `x in tensor`), which a traced training step "
+                "cannot hold; compute it with tensor ops, or give the step the input that makes the "
+                "model skip it (transformers' padding check: an attention mask)")
+    return f"the {exporter} exporter could not export the step ({text}){f' at {where}' if where else ''}"
+
+
 def export_checked(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: str | Path,
                    input_names: list[str] | None = None, dynamic_dims: dict[int, str] | None = None,
                    max_dims: dict[str, int] | None = None, exporter: str = "make-fx") -> tuple[Path, Verification]:
@@ -774,7 +817,7 @@ def export_checked(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], ou
     except RematError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch.export and torch.onnx raise many kinds
-        raise RematError(f"the {exporter} exporter could not export the step ({one_line(exc)})") from None
+        raise RematError(export_failure(exporter, exc)) from None
     error = verify(exported)
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
