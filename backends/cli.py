@@ -203,8 +203,10 @@ def cmd_measure(args) -> int:
     if args.compare:
         other_graph = import_model(args.compare)
         check_feeds(other_graph, feeds, feeds_source(args.model, args.inputs), args.compare, dims)
-        # ONNX Runtime draws a Dropout's mask anew at every run: two runs differ by their masks
-        draws = any(n.op == "Dropout" for g in (graph, other_graph) for n in g.nodes)
+        # ONNX Runtime draws random numbers anew at every run (a Dropout's mask, drop-path's
+        # RandomUniformLike): two runs differ by them
+        rules = _rules([])
+        draws = any(rules.is_random(n) for g in (graph, other_graph) for n in g.walk())
         with progress("comparing the two models' outputs"):
             err, where = max_relative_error(run(args.compare, feeds), run(args.model, feeds),
                                             args.compare, args.model)
@@ -219,7 +221,7 @@ def cmd_measure(args) -> int:
         print(f"peak ratio {_ratio(other.peak_above_rest, base.peak_above_rest)}, "
               f"time ratio {_ratio(other.seconds, base.seconds)}, "
               f"largest relative output difference {err:.2e} ({where})"
-              + (": the graphs draw dropout masks, which differ from run to run" if draws else ""))
+              + (": the graphs draw random numbers (dropout masks), which differ from run to run" if draws else ""))
     if timeline_path is not None:
         from backends.onnx.timeline import timeline
         from backends.plots import timeline_plot

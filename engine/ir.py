@@ -189,6 +189,13 @@ class Graph:
                 for v in captured_values(sub):
                     v.users.append(node)
 
+    def walk(self) -> Iterator[Node]:
+        """Every node, those of the subgraphs (a Loop's body) after the node that holds them."""
+        for node in self.nodes:
+            yield node
+            for sub in node.subgraphs.values():
+                yield from sub.walk()
+
     def values(self) -> Iterator[Value]:
         seen: set[int] = set()
         for v in _chain(self.inputs, self.initializers,

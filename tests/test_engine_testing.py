@@ -154,3 +154,22 @@ def test_engine_testing_imports_no_backend():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'onnx', 'onnxruntime'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_outputs_are_compared_above_the_noise_floor():
+    """`remat measure --compare` said ALBERT's rewrite was 1.21 off: on an attention key bias's
+    gradient, 3.6e-12 where the largest gradient is 8.3 (zero in exact arithmetic). An output is
+    compared against at least 1e-6 of the largest output, as the export check compares; a
+    difference in a sizable output, or a NaN on one side only, still counts in full."""
+    import numpy as np
+
+    from engine.testing.compare import max_relative_error
+
+    want = {"loss": np.array(8.3), "grad.key_bias": np.array([3.6e-12, -2e-12])}
+    got = {"loss": np.array(8.3), "grad.key_bias": np.array([-0.8e-12, 2.4e-12])}
+    error, where = max_relative_error(got, want)
+    assert error < 1e-6
+    got["loss"] = np.array(8.4)
+    assert max_relative_error(got, want) == (pytest.approx(0.1 / 8.3), "loss")
+    got["grad.key_bias"] = np.array([np.nan, 0.0])
+    assert max_relative_error(got, want) == (float("inf"), "grad.key_bias")

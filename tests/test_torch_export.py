@@ -275,6 +275,35 @@ def test_without_float64_kernels_torchs_own_rounding_is_the_measure():
         verify(exported)
 
 
+def test_a_step_that_draws_random_numbers_gets_no_rounding_excuse():
+    """Drop-path (transformers' ConvNeXt, Swin, BEiT: `keep + torch.rand(...)`, floored) draws
+    numbers torch's check cannot draw alike (only Dropout's masks are replayed), and torch's
+    float64 step draws others: measured against it, torch's "own float32 error" would excuse
+    any graph (a helper found ConvNeXt's export accepted 59% off). Such a step is judged in
+    float32 only, and the error says why it disagrees."""
+    from backends.onnx.torch_export import export_training_step, random_ops, verify
+    from engine.errors import RematError
+
+    class DropPath(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            h = self.conv(x)
+            keep = (0.5 + torch.rand((h.shape[0], 1, 1, 1))).floor()
+            h = h + torch.relu(h) / 0.5 * keep
+            return torch.nn.functional.cross_entropy(self.lin(h.mean((2, 3))), y)
+
+    torch.manual_seed(0)
+    exported = export_training_step(DropPath().train(), (torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))),
+                                    ["x", "y"])
+    assert random_ops(exported.model) == ["RandomUniform"] or random_ops(exported.model) == ["RandomUniformLike"]
+    with pytest.raises(RematError, match=r"draws random numbers \(RandomUniform(Like)?: drop-path, say\)"):
+        verify(exported)
+
+
 def test_a_python_read_of_a_tensor_value_is_named_where_it_is(tmp_path):
     """transformers' padding check reads input_ids' values when no attention mask is given
     (DeBERTa-v2 did not export): the error says where in the model, and what to do, instead of

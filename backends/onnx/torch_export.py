@@ -41,6 +41,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from engine.errors import RematError
+from engine.testing.compare import relative_errors as compare_outputs
 from engine.strategies.chunk.kinds import slice_range
 
 from .exporters import EXPORTERS, one_line
@@ -689,6 +690,27 @@ def float64_error(exported: ExportedStep, rewrite: Callable[[onnx.ModelProto], o
         return None
 
 
+def random_ops(model: onnx.ModelProto) -> list[str]:
+    """The ops of `model` (its subgraphs too) that draw random numbers, as the shipped rule files
+    declare them (`nondeterministic` in rules/std/ops.rule)."""
+    from dsl.loader import load_rules
+
+    random = load_rules().nondeterministic
+    found: list[str] = []
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+            if op in random and op not in found:
+                found.append(op)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g)
+
+    visit(model.graph)
+    return found
+
+
 # How much further from torch's float64 gradient than torch's own float32 gradient ONNX Runtime's
 # float32 may be (`exact_errors`): the same computation rounded in another order.
 ROUNDING_FACTOR = 2.0
@@ -700,8 +722,10 @@ def exact_errors(exported: ExportedStep, model: onnx.ModelProto | None = None) -
     float32 step. None with dropout (the masks are drawn anew) or where the float64 copy cannot
     be had. For a step ONNX Runtime cannot run in float64 (its CPU Conv has float kernels only:
     ViT's patches): an output that is rounding noise in float32 (an attention key bias's
-    gradient, zero in exact arithmetic) is as far from the exact value in torch as in ONNX Runtime."""
-    if exported.float64 is None or exported.with_masks is not None:
+    gradient, zero in exact arithmetic) is as far from the exact value in torch as in ONNX Runtime.
+    Not for a step that draws random numbers (drop-path's RandomUniformLike): torch's float64 step
+    draws others, and its "own error" would excuse anything."""
+    if exported.float64 is None or exported.with_masks is not None or random_ops(exported.model):
         return None
     try:
         exact = exported.float64().reference
@@ -746,23 +770,22 @@ def verify(exported: ExportedStep, rtol: float = 1e-4) -> Verification:
     if exact is not None and all(ours <= max(rtol, ROUNDING_FACTOR * torchs) for ours, torchs in exact.values()):
         return Verification(error, output, exact=exact[output])
     also = "" if error64 is None else f" (in float64 too: {error64:.3g})"
+    unreplayed = [op for op in random_ops(exported.model) if op != "Dropout"]
+    if unreplayed:
+        also += (f"; the graph draws random numbers ({', '.join(unreplayed)}: drop-path, say) that torch's "
+                 "check cannot draw alike, only Dropout's masks are replayed: export with them off "
+                 "(drop_path_rate=0) to check the graph")
     raise RematError(f"exported training graph disagrees with torch on {output}: "
                      f"relative error {error:.3g} > {rtol}{also}")
 
 
-# An output whose largest magnitude is below this fraction of the largest output's is rounding
-# noise (an attention key bias's gradient is zero in exact arithmetic: BERT's read 3e-12 against
-# gradients of 1), and is compared against that fraction instead.
-NOISE_FLOOR = 1e-6
-
-
 def relative_errors(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, float]:
-    """Each reference output's error: max |got - want| over max |want| (at least NOISE_FLOOR
-    times the largest |want| of all the outputs)."""
-    floor = NOISE_FLOOR * max((float(np.abs(ref).max(initial=0)) for ref in reference.values()), default=0)
-    return {name: float(np.abs(outputs[name] - ref).max(initial=0) /
-                        max(float(np.abs(ref).max(initial=0)), floor, 1e-12))
-            for name, ref in reference.items()}
+    """Each reference output's error: max |got - want| over max |want|, at least the noise floor
+    (engine.testing.compare.relative_errors, as `remat measure --compare` compares)."""
+    missing = [name for name in reference if name not in outputs]
+    if missing:
+        raise RematError(f"the exported step has no output {', '.join(missing)} to compare with torch's")
+    return compare_outputs({name: outputs[name] for name in reference}, reference, "the exported step", "torch")
 
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -800,10 +823,12 @@ def export_failure(exporter: str, exc: BaseException) -> str:
     text = one_line(exc)
     if any(mark in text for mark in _DATA_DEPENDENT):
         at = f" at {where}" if where else ""
+        padding = " (here transformers' padding check: an attention mask)" \
+            if where and "warn_if_padding_and_no_attention_mask" in where else ""
         return (f"the {exporter} exporter could not export the step: the model reads a tensor's value in "
                 f"Python{at} (an `if` on a tensor, `.item()`, `x in tensor`), which a traced training step "
                 "cannot hold; compute it with tensor ops, or give the step the input that makes the "
-                "model skip it (transformers' padding check: an attention mask)")
+                f"model skip it{padding}")
     return f"the {exporter} exporter could not export the step ({text}){f' at {where}' if where else ''}"
 
 
