@@ -23,10 +23,9 @@ from .dtypes import to_ir
 
 DIM_EXAMPLES_KEY = "remat.dim_examples"
 FORWARD_OUTPUTS_KEY = "remat.forward_outputs"
-# The shapes remat knew, at the example dim sizes, of the values of a model it wrote (a JSON
-# object of value name to a list of ints): ONNX shape inference loses some (a Loop's computed trip
-# count, `Range(0, seq)`, a Loop body's slice at a computed offset, static or not), and the
-# estimate of the file's peak reads them back.
+# The shapes remat knew, at the example dim sizes, of the values of a model it wrote with dynamic
+# dims (a JSON object of value name to a list of ints): ONNX shape inference loses some (a Loop's
+# computed trip count, `Range(0, seq)`), and the estimate of the file's peak reads them back.
 # Metadata, not value_info: ONNX Runtime plans buffer reuse from declared shapes.
 EXAMPLE_SHAPES_KEY = "remat.example_shapes"
 # Node metadata: the plan whose rewrite made a node, the node a recompute clone recomputes, and
