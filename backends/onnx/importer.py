@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +426,20 @@ def _note_constant_ints(node: Node) -> None:
             out.ints = [x for p in parts for x in p]
 
 
+def ir_op(node: onnx.NodeProto) -> str:
+    """A node's op as the IR names it: `Add`, `com.microsoft::FusedMatMul`."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and, depth first, the graphs its nodes hold as attributes (a Loop's body)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from graph_protos(attr.g)
+
+
 def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, Value]) -> Graph:
     types = {vi.name: vi.type for vi in list(proto.input) + list(proto.value_info) + list(proto.output)}
     scope: dict[str, Value] = dict(outer)
@@ -454,7 +469,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
     nodes = []
     for i, np_ in enumerate(proto.node):
         domain = "" if np_.domain in ("", "ai.onnx") else np_.domain
-        op = np_.op_type if not domain else f"{domain}::{np_.op_type}"
+        op = ir_op(np_)
         ins = [lookup(n, np_) if n else None for n in np_.input]
         attrs, subgraphs = {}, {}
         for a in np_.attribute:

@@ -78,11 +78,10 @@ them in the body's block and finds 48: an overestimate, the safe side.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import math
 
 import numpy as np
 import onnx
@@ -530,7 +529,7 @@ def _fuse_matmul_scale(graph: Graph, index: dict[int, int], next_index: int, con
         merged_inputs = []
         for slot in (0, 1):
             scaler = inputs[slot].producer
-            at = _scale_operand(scaler, constant) if scaler is not None and scaler.op in ("Mul", "Div") else None
+            at = _scale_operand(scaler, constant) if scaler is not None else None
             if at is None:
                 continue
             unscaled = scaler.inputs[1 - at]
@@ -1074,21 +1073,14 @@ def estimated_written_peak(scheduled: Graph) -> tuple[Graph, PeakEstimate]:
 def declared_shapes(model: onnx.ModelProto | str | Path) -> frozenset:
     """The names of the values whose whole shape `model` states (value_info and outputs, in
     every subgraph), each dim a number or a name: ORT's graph resolve starts from them."""
-    from .importer import load_model
+    from .importer import graph_protos, load_model
 
     names = set()
-
-    def visit(graph: onnx.GraphProto) -> None:
+    for graph in graph_protos(load_model(model).graph):
         for info in list(graph.value_info) + list(graph.output):
             t = info.type.tensor_type
             if t.HasField("shape") and all(d.HasField("dim_value") or d.dim_param for d in t.shape.dim):
                 names.add(info.name)
-        for node in graph.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    visit(attr.g)
-
-    visit(load_model(model).graph)
     return frozenset(names)
 
 

@@ -695,20 +695,11 @@ def random_ops(model: onnx.ModelProto) -> list[str]:
     declare them (`nondeterministic` in rules/std/ops.rule)."""
     from dsl.loader import load_rules
 
+    from .importer import graph_protos, ir_op
+
     random = load_rules().nondeterministic
-    found: list[str] = []
-
-    def visit(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-            if op in random and op not in found:
-                found.append(op)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    visit(attr.g)
-
-    visit(model.graph)
-    return found
+    ops = (ir_op(node) for graph in graph_protos(model.graph) for node in graph.node)
+    return list(dict.fromkeys(op for op in ops if op in random))
 
 
 # How much further from torch's float64 gradient than torch's own float32 gradient ONNX Runtime's
