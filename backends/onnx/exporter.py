@@ -77,8 +77,10 @@ def export_model(graph: Graph, base: onnx.ModelProto | None = None,
     keep.pop(EXAMPLE_SHAPES_KEY, None)         # the base model's, if remat wrote it: stale here
     if graph.dim_examples:
         keep[DIM_EXAMPLES_KEY] = json.dumps(graph.dim_examples)
-        if for_onnxruntime:
-            keep[EXAMPLE_SHAPES_KEY] = json.dumps(example_shapes(graph), separators=(",", ":"))
+    if for_onnxruntime:
+        # What ONNX inference cannot follow when the file is read back (a chunk Loop body's slices
+        # at a computed offset), static or not: estimated_ort_peak(path), `remat measure --timeline`
+        keep[EXAMPLE_SHAPES_KEY] = json.dumps(example_shapes(graph), separators=(",", ":"))
     if graph.forward_outputs:
         keep[FORWARD_OUTPUTS_KEY] = json.dumps(graph.forward_outputs)
     helper.set_model_props(model, keep)

@@ -24,10 +24,12 @@ from .dtypes import to_ir
 
 DIM_EXAMPLES_KEY = "remat.dim_examples"
 FORWARD_OUTPUTS_KEY = "remat.forward_outputs"
-# The shapes remat knew, at the example dim sizes, of the values of a model it wrote with dynamic
-# dims (a JSON object of value name to a list of ints): ONNX shape inference loses some (a Loop's
-# computed trip count, `Range(0, seq)`), and the estimate of the file's peak reads them back.
-# Metadata, not value_info: ONNX Runtime plans buffer reuse from declared shapes.
+# The shapes remat knew, at the example dim sizes, of the values of a model it wrote (a JSON
+# object of value name to a list of ints): ONNX shape inference loses some (a Loop's computed trip
+# count, `Range(0, seq)`, a chunk body's slice at a computed offset, the views the exporter hides
+# static shapes behind), and the estimate of the file's peak reads them back as sizes only, not
+# as what ORT's inference knows (ort_order.INFERRED_SHAPE). Metadata, not value_info: ONNX
+# Runtime plans buffer reuse from declared shapes.
 EXAMPLE_SHAPES_KEY = "remat.example_shapes"
 # Node metadata: the plan whose rewrite made a node, the node a recompute clone recomputes, and
 # the nodes a chunk Loop runs slice by slice (exporter._provenance writes them).

@@ -217,14 +217,15 @@ def ort_constants(graph: Graph, outer_constant: set[int] | frozenset[int] = froz
 
 
 def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict | None,
-                    symbols: frozenset, declared: frozenset) -> set[int]:
+                    symbols: frozenset, declared: frozenset) -> tuple[set[int], dict[int, Dims]]:
     """ORT's constant folding of `graph`, in place, to its fixed point: the folded nodes dropped,
     their outputs made initializers; returns the constant values (ids). A `Shape` folds only where
     ORT's inference knows its input's dims (a Loop body's `Shape` of a slice at a computed offset
     runs: ORT writes its `Expand` there after the value whose shape it takes, and knows no shape
     of the result), and a fold can let inference know dims it did not (a `Reshape` to a folded
     shape), so folding and inference alternate, as ORT's graph transformers and its graph
-    resolve do, until nothing more folds."""
+    resolve do, until nothing more folds. Returns the constant values (ids) and the dims ORT's
+    inference does not know (ort_unknown_shapes) of the folded graph."""
     constant = set(outer_constant)
     while True:
         unknown = ort_unknown_shapes(graph, graph.nodes, outer_unknown, symbols, declared)
@@ -233,7 +234,7 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
             if id(v) in constant and not v.is_input:
                 v.is_initializer = True
         if not folded:
-            return constant
+            return constant, unknown
         for node in graph.nodes:
             if node.op == "Constant" and id(node) in folded:
                 for o in node.outputs:       # what a fusion reads of a constant (`_number`)
@@ -245,16 +246,16 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
 def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
     index = ort_indices(graph)
     next_index = len(index)
-    constant = _fold_constants(graph, outer_constant, outer_unknown, view.symbols, view.declared)
+    constant, unknown = _fold_constants(graph, outer_constant, outer_unknown, view.symbols, view.declared)
 
-    _eliminate(graph)
+    _eliminate(graph, unknown)
     _merge_common(graph)
     # Fusions that make new nodes (the next free indices), in the order ORT's transformers run
     # (level 1: Gemm transposes, MatMul+Add, CastLike; level 2: MatMul transposes, tanh GELUs, SiLUs,
     # scales), each visiting
     # the nodes in the order of the walk.
     next_index = _fuse_transposes(graph, index, next_index, ("Gemm",))
-    next_index = _fuse_matmul_add(graph, index, next_index)
+    next_index = _fuse_matmul_add(graph, index, next_index, unknown)
     next_index = _castlike_to_cast(graph, index, next_index)
     next_index = _fuse_transposes(graph, index, next_index, ("MatMul", "com.microsoft::FusedMatMul"))
     next_index = _fuse_fast_gelu(graph, index, next_index, constant)
@@ -293,7 +294,14 @@ def _drop(graph: Graph, node: Node, keep: Value, gone: Value) -> None:
     graph.link()
 
 
-def _eliminate(graph: Graph) -> None:
+def _ort_static(v: Value, unknown: dict[int, Dims]) -> bool:
+    """Whether ORT's inference knows all of `v`'s dims: the IR's shape is static and
+    ort_unknown_shapes did not find a dim ORT lacks (the IR may know more than ORT: a shape read
+    back from remat's metadata, `written_graph`)."""
+    return v.has_static_shape and id(v) not in unknown
+
+
+def _eliminate(graph: Graph, unknown: dict[int, Dims]) -> None:
     """ORT's eliminations: `Identity`, `Expand` to the same shape (a constant one, after folding:
     expand_elimination.cc reads it from an initializer), `Cast` to the same type, a
     `Transpose` of a `Transpose` (composed into one; gone when that is the identity). A lone
@@ -325,7 +333,7 @@ def _eliminate(graph: Graph) -> None:
                 continue
             same = (node.op == "Identity"
                     or (node.op == "Expand" and len(node.inputs) > 1 and node.inputs[1] is not None
-                        and node.inputs[1].is_initializer and src.has_static_shape and out.has_static_shape
+                        and node.inputs[1].is_initializer and _ort_static(src, unknown) and _ort_static(out, unknown)
                         and tuple(src.shape) == tuple(out.shape))
                     or (node.op == "Cast" and src.dtype is not DType.UNKNOWN and node.attrs.get("to") == src.dtype))
             if same:
@@ -364,7 +372,7 @@ def _merge_common(graph: Graph) -> None:
         graph.link()
 
 
-def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> int:
+def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int, unknown: dict[int, Dims]) -> int:
     """ORT's MatMulAddFusion: `Add(MatMul(a, w), bias)`, w 2-D, the product read by the Add alone,
     becomes a Gemm (a of rank > 2 flattened to 2-D before it and the result reshaped after it:
     views). Three new nodes, new indices; the product is no longer a tensor. The bias is what
@@ -381,8 +389,8 @@ def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int) -> in
                     or bias is None or bias.shape is None):
                 continue
             a, w = mm.inputs
-            if a is None or w is None or not a.has_static_shape or not w.has_static_shape or len(w.shape) != 2 \
-                    or len(a.shape) < 2 or not node.outputs[0].has_static_shape:
+            if a is None or w is None or not _ort_static(a, unknown) or not _ort_static(w, unknown) \
+                    or len(w.shape) != 2 or len(a.shape) < 2 or not _ort_static(node.outputs[0], unknown):
                 continue
             m, n = a.shape[0], w.shape[1]
             if tuple(bias.shape) != (n,) and (len(a.shape) != 2 or tuple(bias.shape) not in ((1, n), (m, 1), (m, n))):
@@ -802,14 +810,22 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     default `graph`'s inputs': `batch`, `seq`) is unknown: the importer's inference named a dim it
     could not relate to the inputs (`unk__N`), and ORT's knows no more. A value whose shape the
     file states (`declared`, by name: the exporter's value_info) is known whatever inference
-    says: ORT starts from it and keeps the dims its inference cannot give. `outer`: the
-    enclosing graphs' unknown values."""
+    says: ORT starts from it and keeps the dims its inference cannot give. A value whose shape
+    remat filled in for the estimate (INFERRED_SHAPE: `written_graph` of a file, whose shapes ONNX
+    inference could not follow) has the dims inference gave it. `outer`: the enclosing graphs'
+    unknown values."""
     known: dict[int, Dims] = dict(outer or {})
     symbols = input_symbols(graph) if symbols is None else symbols
+
+    def inferred(v: Value) -> Dims:
+        shape = v.meta[INFERRED_SHAPE]
+        return None if shape is None else _ort_dims(shape, symbols)
 
     def dims(v: Value | None) -> Dims:
         if v is None:
             return ()
+        if INFERRED_SHAPE in v.meta and v.name not in declared:
+            return inferred(v)
         if id(v) in known:
             return known[id(v)]
         if v.shape is not None and v.name in declared:
@@ -888,6 +904,9 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             known[id(outs[0])] = result if result is not None else rank_unknown
             for o in outs[1:]:
                 known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
+    for v in graph.values():
+        if INFERRED_SHAPE in v.meta and v.name not in declared:
+            known[id(v)] = inferred(v)
     return {k: v for k, v in known.items() if v is None or any(x is None for x in v)}
 
 
@@ -1026,6 +1045,18 @@ def _by_name(known: dict, name: str):
     return known.get(name)
 
 
+# Value.meta key: the shape ONNX inference gave a value of a file read back (None: none), where
+# remat filled in its shape at the example sizes for the estimate (`_fill_shape`): the sizes are
+# the estimate's, ORT's inference still knows only what it knew (ort_unknown_shapes).
+INFERRED_SHAPE = "remat.ort_inferred_shape"
+
+
+def _fill_shape(v: Value, shape: tuple) -> None:
+    """Give `v` the shape remat knows for it, keeping what inference knew (INFERRED_SHAPE)."""
+    v.meta.setdefault(INFERRED_SHAPE, None if v.shape is None else tuple(v.shape))
+    v.shape = shape
+
+
 def _adopt_shapes(graph: Graph, shape_of) -> None:
     """Give each value whose shape is not known at the example sizes the shape `shape_of` has
     for it (None: none)."""
@@ -1034,7 +1065,7 @@ def _adopt_shapes(graph: Graph, shape_of) -> None:
             continue
         shape = shape_of(v)
         if shape is not None:
-            v.shape = shape
+            _fill_shape(v, shape)
 
 
 def _written(schedule: OrtSchedule) -> Graph:
@@ -1137,7 +1168,7 @@ def fill_shapes(graph: Graph, examples: dict[str, int]) -> int:
             continue
         out = node.outputs[0]
         if not _evaluable(out, examples):
-            out.shape = shape
+            _fill_shape(out, shape)
             filled += 1
     return filled
 
