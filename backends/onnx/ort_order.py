@@ -811,21 +811,27 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     could not relate to the inputs (`unk__N`), and ORT's knows no more. A value whose shape the
     file states (`declared`, by name: the exporter's value_info) is known whatever inference
     says: ORT starts from it and keeps the dims its inference cannot give. A value whose shape
-    remat filled in for the estimate (INFERRED_SHAPE: `written_graph` of a file, whose shapes ONNX
-    inference could not follow) has the dims inference gave it. `outer`: the enclosing graphs'
-    unknown values."""
+    remat filled in for the estimate (INFERRED_SHAPE: a written graph read back, whose shapes ONNX
+    inference could not follow) and of which inference gave no shape at all has none here either
+    where none of its dims is known (rank unknown, not only its dims). `outer`: the enclosing
+    graphs' unknown values."""
     known: dict[int, Dims] = dict(outer or {})
     symbols = input_symbols(graph) if symbols is None else symbols
 
-    def inferred(v: Value) -> Dims:
-        shape = v.meta[INFERRED_SHAPE]
-        return None if shape is None else _ort_dims(shape, symbols)
+    def shapeless(v: Value) -> bool:
+        """ONNX inference gave `v` no shape at all (remat filled one in for the sizes) and none of
+        its dims is known here: ORT's inference knows not even its rank, and a broadcast with it
+        knows nothing either (a known [512, 8] times it has no shape in ORT)."""
+        if not _shapeless(v) or v.name in declared or id(v) not in known:
+            return False
+        dims = known[id(v)]
+        return dims is None or all(d is None for d in dims)
 
     def dims(v: Value | None) -> Dims:
         if v is None:
             return ()
-        if INFERRED_SHAPE in v.meta and v.name not in declared:
-            return inferred(v)
+        if shapeless(v):
+            return None
         if id(v) in known:
             return known[id(v)]
         if v.shape is not None and v.name in declared:
@@ -905,8 +911,8 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
             for o in outs[1:]:
                 known[id(o)] = None if o.shape is None else (None,) * len(o.shape)
     for v in graph.values():
-        if INFERRED_SHAPE in v.meta and v.name not in declared:
-            known[id(v)] = inferred(v)
+        if shapeless(v):
+            known[id(v)] = None
     return {k: v for k, v in known.items() if v is None or any(x is None for x in v)}
 
 
@@ -1049,6 +1055,12 @@ def _by_name(known: dict, name: str):
 # remat filled in its shape at the example sizes for the estimate (`_fill_shape`): the sizes are
 # the estimate's, ORT's inference still knows only what it knew (ort_unknown_shapes).
 INFERRED_SHAPE = "remat.ort_inferred_shape"
+
+
+def _shapeless(v: Value) -> bool:
+    """Whether ONNX inference gave `v` no shape at all where remat filled one in (ONNX's
+    inference of a Loop body can know less than ORT's: the rest is ort_unknown_shapes' to judge)."""
+    return INFERRED_SHAPE in v.meta and v.meta[INFERRED_SHAPE] is None
 
 
 def _fill_shape(v: Value, shape: tuple) -> None:
