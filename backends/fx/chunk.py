@@ -25,6 +25,7 @@ from engine.order import order_near
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
+from .exact_sums import count_broadcast_sums
 from .sizes import SizeNodes, free_symbols, lower_formula
 
 aten = torch.ops.aten
@@ -434,6 +435,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
             acc.meta["val"] = o.meta["val"]
             results[k] = sub.call_function(aten.add.Tensor, (acc, results[k]))
     sub.output(tuple(results))
+    count_broadcast_sums(sub)       # label smoothing's sum over the vocabulary, exact_sums.py
     sub.eliminate_dead_code()
     sub.lint()
     module = fx.GraphModule(torch.nn.Module(), sub)
