@@ -38,10 +38,20 @@ def test_a_sum_of_a_broadcast_is_counted_and_equals_the_sum(tracing, keepdim):
     assert float(((got.double() - want).abs() / want.abs()).max()) < 1e-7
 
 
-def test_a_sum_over_a_dim_the_broadcast_value_varies_along_is_left_alone():
-    c, y = torch.randn(6, 1), torch.randn(6, 32)
-    gm = make_fx(lambda c, y: (c.expand(6, 32) + y).sum(0))(c, y)
+@pytest.mark.parametrize("case", ["varies", "both_broadcast"])
+def test_a_sum_the_rewrite_would_change_is_left_alone(case):
+    """Over a dim the broadcast value varies along; or with the other operand broadcast too
+    (summing it alone would count it once, not n times)."""
+    if case == "varies":
+        c, y = torch.randn(6, 1), torch.randn(6, 32)
+        fn = lambda c, y: (c.expand(6, 32) + y).sum(0)      # noqa: E731
+    else:
+        c, y = torch.randn(6, 1), torch.randn(6, 1)
+        fn = lambda c, y: (c.expand(6, 32) + y).sum(1)      # noqa: E731
+    gm = make_fx(fn)(c, y)
     assert count_broadcast_sums(gm.graph) == 0
+    gm.recompile()
+    torch.testing.assert_close(gm(c, y), fn(c, y))
 
 
 def test_label_smoothing_in_the_loss_chunk_sums_rows_as_closely_as_eager(fresh_compiles):

@@ -23,6 +23,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 
@@ -47,9 +48,8 @@ def count_broadcast_sums(graph: fx.Graph) -> int:
         summed = sorted({d % rank for d in dims})
         for broadcast, other in (src.args, src.args[::-1]):
             base = _broadcast_base(broadcast, summed, out)
-            if base is None or not isinstance(other, fx.Node) or other.meta.get("val") is None \
-                    or other.meta["val"].dtype != out.dtype:
-                continue
+            if base is None or not _same_shape(other, out):
+                continue            # y broadcast too would be summed n times over: left as it is
             with graph.inserting_before(node):
                 rest = graph.call_function(aten.sum.dim_IntList, (other, list(dims), keepdim))
                 if not keepdim:
@@ -73,6 +73,14 @@ def _count(graph: fx.Graph, like: fx.Node, summed: list[int], out: torch.Tensor)
             size = graph.call_function(aten.sym_size.int, (like, d))
             count = size if count == 1 else graph.call_function(operator.mul, (count, size))
     return count
+
+
+def _same_shape(v, out: torch.Tensor) -> bool:
+    """Whether `v` is a node of `out`'s dtype and shape (each dim provably equal)."""
+    val = v.meta.get("val") if isinstance(v, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype != out.dtype or val.dim() != out.dim():
+        return False
+    return all(statically_known_true(a == b) for a, b in zip(val.shape, out.shape))
 
 
 def _broadcast_base(v, summed: list[int], out: torch.Tensor) -> fx.Node | None:
