@@ -31,8 +31,8 @@ aten = torch.ops.aten
 def count_broadcast_sums(graph: fx.Graph) -> int:
     """Rewrite each `sum(add(expand(x), y), dims)` of `graph` whose `x` is 1 along every summed
     dim (one dtype, no `alpha`) as `add(sum(y, dims), mul(x, n))`, n an int or, over symbolic
-    sizes, computed from `y`'s sizes; returns how many.
-    Reads each node's `meta["val"]`; the new nodes get none (the caller propagates)."""
+    sizes, computed from `y`'s sizes; returns how many. Reads each node's `meta["val"]`; the new
+    nodes get none (the caller propagates)."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.target is not aten.sum.dim_IntList or node.kwargs.get("dtype") is not None:
@@ -66,8 +66,7 @@ def count_broadcast_sums(graph: fx.Graph) -> int:
 def _count(graph: fx.Graph, like: fx.Node, summed: list[int], out: torch.Tensor):
     """The number of elements summed: an int, or (a dynamic graph's symbolic sizes) a node that
     multiplies `like`'s sizes along the summed dims."""
-    static = math.prod(out.shape[d] for d in summed if isinstance(out.shape[d], int))
-    count = static
+    count = math.prod(out.shape[d] for d in summed if isinstance(out.shape[d], int))
     for d in summed:
         if not isinstance(out.shape[d], int):
             size = graph.call_function(aten.sym_size.int, (like, d))
@@ -92,4 +91,4 @@ def _broadcast_base(v, summed: list[int], out: torch.Tensor) -> fx.Node | None:
     val = base.meta.get("val") if isinstance(base, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() != out.dim() or val.dtype != out.dtype:
         return None
-    return base if all(val.shape[d] == 1 for d in summed) else None
+    return base if all(statically_known_true(val.shape[d] == 1) for d in summed) else None
