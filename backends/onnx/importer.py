@@ -28,7 +28,7 @@ FORWARD_OUTPUTS_KEY = "remat.forward_outputs"
 # object of value name to a list of ints): ONNX shape inference loses some (a Loop's computed trip
 # count, `Range(0, seq)`, a chunk body's slice at a computed offset, the views the exporter hides
 # static shapes behind), and the estimate of the file's peak reads them back as sizes only, not
-# as what ORT's inference knows (ort_order.INFERRED_SHAPE). Metadata, not value_info: ONNX
+# as what ORT's inference knows (ort_order.FILLED_SHAPELESS). Metadata, not value_info: ONNX
 # Runtime plans buffer reuse from declared shapes.
 EXAMPLE_SHAPES_KEY = "remat.example_shapes"
 # Node metadata: the plan whose rewrite made a node, the node a recompute clone recomputes, and

@@ -811,7 +811,7 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
     could not relate to the inputs (`unk__N`), and ORT's knows no more. A value whose shape the
     file states (`declared`, by name: the exporter's value_info) is known whatever inference
     says: ORT starts from it and keeps the dims its inference cannot give. A value whose shape
-    remat filled in for the estimate (INFERRED_SHAPE: a written graph read back, whose shapes ONNX
+    remat filled in for the estimate (FILLED_SHAPELESS: a written graph read back, whose shapes ONNX
     inference could not follow) and of which inference gave no shape at all has none here either
     where none of its dims is known (rank unknown, not only its dims). `outer`: the enclosing
     graphs' unknown values."""
@@ -1051,21 +1051,22 @@ def _by_name(known: dict, name: str):
     return known.get(name)
 
 
-# Value.meta key: the shape ONNX inference gave a value of a file read back (None: none), where
-# remat filled in its shape at the example sizes for the estimate (`_fill_shape`): the sizes are
-# the estimate's, ORT's inference still knows only what it knew (ort_unknown_shapes).
-INFERRED_SHAPE = "remat.ort_inferred_shape"
+# Value.meta key, True on a value of a written graph read back to which ONNX inference gave no
+# shape at all and remat gave its shape at the example sizes (`_fill_shape`): the sizes are the
+# estimate's; ORT's inference knows not even its rank (ort_unknown_shapes). A value inference gave
+# a rank is left to ort_unknown_shapes' structural model (ORT, folding first, can know more).
+FILLED_SHAPELESS = "remat.filled_shapeless"
 
 
 def _shapeless(v: Value) -> bool:
-    """Whether ONNX inference gave `v` no shape at all where remat filled one in (ONNX's
-    inference of a Loop body can know less than ORT's: the rest is ort_unknown_shapes' to judge)."""
-    return INFERRED_SHAPE in v.meta and v.meta[INFERRED_SHAPE] is None
+    """Whether ONNX inference gave `v` no shape at all where remat filled one in."""
+    return v.meta.get(FILLED_SHAPELESS, False)
 
 
 def _fill_shape(v: Value, shape: tuple) -> None:
-    """Give `v` the shape remat knows for it, keeping what inference knew (INFERRED_SHAPE)."""
-    v.meta.setdefault(INFERRED_SHAPE, None if v.shape is None else tuple(v.shape))
+    """Give `v` the shape remat knows for it, noting where inference gave it none (FILLED_SHAPELESS)."""
+    if v.shape is None:
+        v.meta[FILLED_SHAPELESS] = True
     v.shape = shape
 
 
