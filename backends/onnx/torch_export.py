@@ -707,7 +707,8 @@ def random_ops(model: onnx.ModelProto) -> list[str]:
 ROUNDING_FACTOR = 2.0
 
 
-def exact_errors(exported: ExportedStep, model: onnx.ModelProto | None = None) -> dict[str, tuple[float, float]] | None:
+def exact_errors(exported: ExportedStep, model: onnx.ModelProto | None = None,
+                 drawn: list[str] | None = None) -> dict[str, tuple[float, float]] | None:
     """Each output's relative error against torch's step on a float64 copy of the module: of
     `model` (the exported step by default) run in float32 by ONNX Runtime, and of torch's own
     float32 step. None with dropout (the masks are drawn anew) or where the float64 copy cannot
@@ -715,8 +716,10 @@ def exact_errors(exported: ExportedStep, model: onnx.ModelProto | None = None) -
     ViT's patches): an output that is rounding noise in float32 (an attention key bias's
     gradient, zero in exact arithmetic) is as far from the exact value in torch as in ONNX Runtime.
     Not for a step that draws random numbers (drop-path's RandomUniformLike): torch's float64 step
-    draws others, and its "own error" would excuse anything."""
-    if exported.float64 is None or exported.with_masks is not None or random_ops(exported.model):
+    draws others, and its "own error" would excuse anything. `drawn`: the exported step's
+    `random_ops`, where the caller has them."""
+    drawn = random_ops(exported.model) if drawn is None else drawn
+    if exported.float64 is None or exported.with_masks is not None or drawn:
         return None
     try:
         exact = exported.float64().reference
@@ -757,11 +760,12 @@ def verify(exported: ExportedStep, rtol: float = 1e-4) -> Verification:
     error64 = float64_error(exported)
     if error64 is not None and error64 <= rtol:
         return Verification(error, output, error64)
-    exact = exact_errors(exported) if error64 is None else None
+    drawn = random_ops(exported.model)      # the shipped rules parsed once for both uses
+    exact = exact_errors(exported, drawn=drawn) if error64 is None else None
     if exact is not None and all(ours <= max(rtol, ROUNDING_FACTOR * torchs) for ours, torchs in exact.values()):
         return Verification(error, output, exact=exact[output])
     also = "" if error64 is None else f" (in float64 too: {error64:.3g})"
-    unreplayed = [op for op in random_ops(exported.model) if op != "Dropout"]
+    unreplayed = [op for op in drawn if op != "Dropout"]
     if unreplayed:
         also += (f"; the graph draws random numbers ({', '.join(unreplayed)}: drop-path, say) that torch's "
                  "check cannot draw alike, only Dropout's masks are replayed: export with them off "
