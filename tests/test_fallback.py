@@ -2,6 +2,7 @@
 plan that failed (or without remat); strict mode raises. Scalars are operands on every path."""
 from __future__ import annotations
 
+import gc
 import warnings
 
 import numpy as np
@@ -181,3 +182,35 @@ def test_a_chunk_region_through_a_division_by_a_python_float_matches_eager(fresh
     assert relative_error(loss, want_loss) <= 1e-5
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) <= 1e-5
+
+
+def test_the_pass_pauses_the_garbage_collector_and_always_gives_it_back(monkeypatch):
+    """The pass runs with Python's cyclic collector off (each collection would scan the whole
+    compile process), and leaves it as it found it: on after a pass, after a pass that raised,
+    and off where the user had turned it off."""
+    from backends.fx import compile as fx_compile
+
+    model, inputs = _mlp()
+    joint = fx_backend.joint_graph(model, inputs)
+    seen = []
+    real = fx_compile.rewrite
+    monkeypatch.setattr(fx_compile, "rewrite", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
+    assert gc.isenabled()
+    fx_compile.RematPass(load_rules(), strict=True)(joint.graph)
+    assert seen == [False] and gc.isenabled()
+    assert any(n.meta.get("recompute") is not None for n in joint.graph.nodes)
+
+    def injected(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(fx_compile, "rewrite", injected)
+    with pytest.raises(RuntimeError, match="injected"):
+        fx_compile.RematPass(load_rules(), strict=True)(joint.graph)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with warnings.catch_warnings(record=True):
+            fx_compile.RematPass(load_rules(), strict=False)(joint.graph)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
