@@ -18,9 +18,7 @@ without remat, each with one warning. `strict=True` or `REMAT_STRICT=1` raises i
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import hashlib
 import os
 import warnings
@@ -34,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dsl.loader import load_rules
 from engine.apply import Result
+from engine.collector import collector_paused
 from engine.driver import Rewrite, rewrite
 from engine.failures import PlanFailure, Site, at_site, resolve_strict
 from engine.ir import Graph
@@ -303,7 +302,7 @@ class RematPass(CustomGraphPass):
         self.warn(f"remat: {failure}; compiling without that plan")
 
     def __call__(self, graph: fx.Graph) -> None:
-        with _collector_paused():
+        with collector_paused():
             self._rewrite(graph)
 
     def _rewrite(self, graph: fx.Graph) -> None:
@@ -374,25 +373,6 @@ class RematPass(CustomGraphPass):
         key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
                f"{self.budget}|{self.device}")
         return hashlib.sha256(key.encode()).hexdigest()
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while the pass runs. The pass allocates millions of
-    small objects (graph copies, IR imports, the partitioner's), and each collection those
-    allocations trigger scans the whole compile process: Dynamo's, AOTAutograd's and
-    Inductor's objects, the fake tensors. Measured on the 16-layer GPT-like step of
-    bench/scale.py: the pass took 12.2 s with the collector on, 9.0 s with it off. Its own
-    garbage goes by reference counts (a collection right after the pass finds 270 objects),
-    so pausing the collector holds no memory back. torch's state_dict does the same
-    (`torch.distributed.checkpoint.state_dict._gc_context`)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _device_of(graph: fx.Graph) -> str:
