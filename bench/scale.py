@@ -7,12 +7,14 @@ Prints each point's figures as ratios to torch.compile's.
 
     python bench/scale.py                               # d256, 16 heads, vocab 32768, batch 2
     python bench/scale.py --layers 4 8 16 --seq 1024    # issue 14's CPU check
+    python bench/scale.py --layers 4 16 --rounds 3      # each figure the median of 3 rounds
     python bench/scale.py --device cuda --layers 4 8 16 32 --seq 512 1024 2048
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,17 +23,37 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_point(args, layers: int, seq: int) -> dict[str, dict]:
+    """One (layers, seq) point: each configuration in its own processes, `--rounds` times with the
+    configurations interleaved (a slow spell of the machine then falls on all of them alike),
+    each figure the median of its rounds. remat's budget is fixed by the first round's compile."""
     common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={layers}", f"--d-model={args.d_model}",
               f"--heads={args.heads}", f"--seq={seq}", f"--repeats={args.repeats}", f"--device={args.device}",
               f"--attention={args.attention}", "--json"]
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
-    rows: dict[str, dict] = {}
-    for config in ("compile", f"budget-{args.torch_budget}"):
-        rows.update(_run(step + ["--configs", config], args.timeout))
-    if "compile" in rows:
-        budget = args.fraction * rows["compile"]["above"]
-        rows.update(_run(step + ["--configs", f"remat-budget-{budget:.0f}MiB"], args.timeout))
-    return rows
+    rounds: dict[str, list[dict]] = {}
+    configs = ["compile", f"budget-{args.torch_budget}"]
+    for _ in range(args.rounds):
+        for config in configs:
+            for name, row in _run(step + ["--configs", config], args.timeout).items():
+                rounds.setdefault(name, []).append(row)
+            if config == "compile" and len(configs) == 2:
+                first = rounds.get("compile", [{}])[0]
+                if "failed" not in first and "above" in first:
+                    configs.append(f"remat-budget-{args.fraction * first['above']:.0f}MiB")
+    return {name: _median(rows) for name, rows in rounds.items()}
+
+
+def _median(rows: list[dict]) -> dict:
+    """The rounds' median of each figure (a configuration that failed in any round: its failure)."""
+    failed = [r for r in rows if "failed" in r]
+    if failed:
+        return failed[0]
+    merged = dict(rows[0])
+    for key in ("compile_seconds", "seconds", "above"):
+        merged[key] = statistics.median(r[key] for r in rows)
+    merged["compile_spread"] = (min(r["compile_seconds"] for r in rows), max(r["compile_seconds"] for r in rows))
+    merged["rounds"] = len(rows)
+    return merged
 
 
 def _run(command: list[str], timeout: int) -> dict[str, dict]:
@@ -40,9 +62,14 @@ def _run(command: list[str], timeout: int) -> dict[str, dict]:
     except subprocess.TimeoutExpired:
         return {command[-1]: {"failed": f"over {timeout} s"}}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        return {command[-1]: {"failed": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}}
-    return {row["name"]: row for row in json.loads(lines[-1])["rows"]}
+    rows = json.loads(lines[-1])["rows"] if lines else []
+    if proc.returncode or not rows:
+        # torch_step.py leaves out a configuration that raised (a budget no plan reaches): its error.
+        # (it prints the configuration's own stderr on its stdout).
+        output = (proc.stdout + "\n" + proc.stderr).splitlines()
+        errors = [line for line in output if "Error" in line] or [line for line in output if line.strip()]
+        return {command[-1]: {"failed": (errors or ["no output"])[-1][:200]}}
+    return {row["name"]: row for row in rows}
 
 
 def main() -> None:
@@ -50,7 +77,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024])
     for flag, default in (("vocab", 32768), ("batch", 2), ("d-model", 256), ("heads", 16), ("repeats", 3),
-                          ("timeout", 1800)):
+                          ("timeout", 1800), ("rounds", 1)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
@@ -72,8 +99,11 @@ def main() -> None:
                     continue
                 ratio = (lambda key: f"{row[key] / base[key]:>9.3f}") if base and "failed" not in base else \
                     (lambda key: f"{'':>9}")
+                spread = row["compile_spread"]
                 print(f"{layers:>6} {seq:>5} {name:>22} {row['compile_seconds']:>10.1f} {ratio('compile_seconds')} "
-                      f"{row['seconds']:>8.3f} {ratio('seconds')} {row['above']:>8.1f} {ratio('above')}", flush=True)
+                      f"{row['seconds']:>8.3f} {ratio('seconds')} {row['above']:>8.1f} {ratio('above')}"
+                      + (f"   compile {spread[0]:.1f}-{spread[1]:.1f} s over {row['rounds']} rounds"
+                         if row["rounds"] > 1 else ""), flush=True)
 
 
 if __name__ == "__main__":
