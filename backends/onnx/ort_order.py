@@ -822,7 +822,7 @@ def ort_unknown_shapes(graph: Graph, order: list[Node], outer: dict[int, Dims] |
         """ONNX inference gave `v` no shape at all (remat filled one in for the sizes) and none of
         its dims is known here: ORT's inference knows not even its rank, and a broadcast with it
         knows nothing either (a known [512, 8] times it has no shape in ORT)."""
-        if not _shapeless(v) or v.name in declared or id(v) not in known:
+        if not v.meta.get(FILLED_SHAPELESS, False) or v.name in declared or id(v) not in known:
             return False
         dims = known[id(v)]
         return dims is None or all(d is None for d in dims)
@@ -1056,11 +1056,6 @@ def _by_name(known: dict, name: str):
 # estimate's; ORT's inference knows not even its rank (ort_unknown_shapes). A value inference gave
 # a rank is left to ort_unknown_shapes' structural model (ORT, folding first, can know more).
 FILLED_SHAPELESS = "remat.filled_shapeless"
-
-
-def _shapeless(v: Value) -> bool:
-    """Whether ONNX inference gave `v` no shape at all where remat filled one in."""
-    return v.meta.get(FILLED_SHAPELESS, False)
 
 
 def _fill_shape(v: Value, shape: tuple) -> None:
