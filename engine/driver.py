@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from .apply import Planning, Result, apply, plan
@@ -32,7 +32,7 @@ from .plans import ConfigEntry, parse_config, select
 from .strategies.chunk import ChunkRegion
 
 if TYPE_CHECKING:
-    from .budget import Budget, Choice, DeviceProfile
+    from .budget import Budget, Choice, DeviceProfile, Program
 
 MAX_CHUNK_SITES = 64
 log = logging.getLogger("remat.budget")
@@ -60,6 +60,32 @@ class Builder(Protocol):
         """The peak the backend will reach running its working graph, of which `graph` is the
         IR (`current()`'s), in bytes (its order, its allocator): what a budget is checked
         against. A backend may simulate its own graph rather than the IR (fx does)."""
+
+    def peak_site(self) -> Site | None:
+        """After `simulate`: the chunk region (its site) whose slice call the simulated peak
+        fell on, or None (`ChunkCalls` keeps what a backend needs to say so)."""
+
+
+@dataclass
+class ChunkCalls:
+    """The nodes a builder made to run each chunk region's slices (fx's `invoke_subgraph`
+    calls, ONNX's Loops), by name, so that the node a simulation peaked at can be traced to
+    the region. The budget search reads it: a peak on a region's call means the region's
+    slice is the step's highest point, and more slices, not more plans elsewhere, lower it."""
+
+    sites: dict[str, Site] = field(default_factory=dict)
+    peak_node: str | None = None        # the node the last simulation peaked at
+
+    def record(self, names: Iterable[str], region: ChunkRegion) -> None:
+        site = Site(region.match.rule.name, region.match.root.name)
+        self.sites.update((name, site) for name in names)
+
+    def clear(self) -> None:
+        self.sites.clear()
+        self.peak_node = None
+
+    def peak_site(self) -> Site | None:
+        return self.sites.get(self.peak_node) if self.peak_node is not None else None
 
 
 @dataclass
@@ -285,13 +311,14 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     while probes < MAX_PROBES and lo < model < hi:
         choice = choose(planning, planned_on, Budget(bytes=max(1, model)), device, program=program)
         key = frozenset(choice.selection.items())
+        fresh = False
         if key in built:
             done = built[key]
         elif best is not None and small(best.choice.extra_seconds - choice.extra_seconds):
             done = None
         else:
             done = built[key] = build(choice)
-            probes += 1
+            probes, fresh = probes + 1, True
         log.debug("budget search: model budget %.1f MiB -> %s", model / 2**20,
                   "not built (no cheaper than the best that fits)" if done is None else
                   f"simulated {done.simulated_peak / 2**20:.1f} MiB for {target / 2**20:.1f}, "
@@ -305,6 +332,15 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             if slack <= target // 50:
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
+        elif fresh and (finer := _finer_slices(program, builder.peak_site(), done.choice)) is not None:
+            # The simulation peaked on a chunk region's slice call: its slice is the step's highest
+            # point. The additive model underrates a slice there (a body holds a slice's values
+            # and their gradients together, where the whole step wrote a gradient over its values
+            # in place), so more plans elsewhere, which a lower model budget would buy, miss the
+            # peak: the region's counts up to the one built are withdrawn and the same model
+            # budget is solved again.
+            log.debug("budget search: the peak is a slice of %s; finer slices there", builder.peak_site())
+            program, step = finer, model
         else:
             # Down by the overshoot and a margin (the secant, taking the simulation to move with
             # the model).
@@ -335,6 +371,15 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     if holding is not best:         # the builder holds another probe's graph: rebuild the best one
         best = everything() if best is floor else build(best.choice, best.simulated_peak)
     return best
+
+
+def _finer_slices(program: Program, site: Site | None, choice: Choice) -> Program | None:
+    """`program` without the options that slice the chunk region at `site` as few ways as
+    `choice` does or fewer; None where the choice did not slice it or no finer count remains."""
+    k = choice.selection.get(site) if site is not None else None
+    if k is None or not any(o.group == site and o.key[1] > k for o in program.options):
+        return None
+    return replace(program, options=[o for o in program.options if not (o.group == site and o.key[1] <= k)])
 
 
 def _never_above_original(builder: Builder, rules: RuleSet, tiers: tuple[str, ...],

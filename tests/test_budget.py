@@ -349,3 +349,89 @@ def test_the_budget_search_builds_a_few_rewrites(monkeypatch, fraction):
     planning = plan_all(lambda fold: graph, RULES, ("expensive",))
     floor = choose(planning, graph, reach(planning, graph, DEVICE)[1], DEVICE)
     assert rewrite.choice.extra_seconds <= floor.extra_seconds + 1e-12
+
+
+def test_a_peak_on_a_chunk_slice_buys_finer_slices_not_other_plans(monkeypatch):
+    """Where the backend's simulation peaks on a chunk region's slice call, the budget search
+    withdraws that region's coarser slice counts and solves the same model budget again, rather
+    than lowering the model budget, which buys plans elsewhere that miss the peak. The backend
+    here says a slice of 2 holds more than the additive model counts (Inductor's loss body at 2
+    slices holds a logits slice and its gradient together, measured), so much more that no set
+    with 2 slices fits."""
+    from backends.onnx.rewrite import OnnxBuilder
+    from engine.budget import Program
+    from engine.failures import Site
+    from training_graphs import build_ort_loss_head
+
+    model, _ = build_ort_loss_head(4096, 64, 8192)
+    graph = import_model(model)
+    built, simulate, build = [], OnnxBuilder.simulate, OnnxBuilder.build
+
+    def build_counting(self, result, region, index):
+        built.append(len(region.chunks))
+        build(self, result, region, index)
+
+    def simulate_coarse_slices_higher(self, g):
+        peak = simulate(self, g)
+        loops = [n.name for n in g.nodes if n.op == "Loop"]
+        if loops and built and built[-1] <= 2:
+            self.calls.peak_node = loops[0]
+            return peak + budget      # over any budget
+        return peak
+
+    monkeypatch.setattr(OnnxBuilder, "build", build_counting)
+    monkeypatch.setattr(OnnxBuilder, "simulate", simulate_coarse_slices_higher)
+    planning = plan_all(lambda fold: graph, RULES, ("expensive",))
+    program = Program.of(planning, graph, DEVICE)
+    budget = program.curve.peak * 3 // 4
+    assert choose(planning, graph, Budget(bytes=budget), DEVICE, program=program).selection, "no plan needed"
+    rewrite = apply_rules(graph, RULES, tiers=["expensive"], budget=Budget(bytes=budget), device=DEVICE,
+                          strict=True)
+    site, count = next((s, k) for s, k in rewrite.choice.selection.items() if k is not None)
+    # Two builds: the first at 2 slices, which peaked on its slice, then 4 (stepping the model
+    # budget down instead built five, 2, 8, 4, 2, 4, to end at the same choice).
+    assert built == [2, count] and count > 2, built
+    assert rewrite.simulated_peak <= budget
+    # What it chose is what the planner chooses at the budget itself once 2 slices are withdrawn.
+    finer = [o for o in program.options if not (o.group == site and o.key[1] <= 2)]
+    program.options = finer
+    want = choose(planning, graph, Budget(bytes=budget), DEVICE, program=program)
+    assert rewrite.choice.selection == want.selection
+    assert isinstance(site, Site)
+
+
+def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in():
+    """The fx builder names the chunk region whose invoke_subgraph call the simulated peak fell
+    on, which the budget search reads (a head's loss in 4 slices: a slice's body, its logits and
+    their gradient, is the step's highest point)."""
+    import torch
+    from torch import nn
+
+    from backends.fx import joint_graph
+    from backends.fx.compile import FxBuilder
+    from engine.driver import rewrite
+    from engine.failures import Site
+    from engine.plan_type import PlanType
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 8192, bias=False)
+
+        def forward(self, x, labels):
+            return nn.functional.cross_entropy(self.proj(x), labels)
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(1024, 64, requires_grad=True), torch.randint(0, 8192, (1024,)))
+    builder = FxBuilder(joint_graph(Head(), inputs).graph, RULES.views, strict=True)
+    done = rewrite(builder, RULES, strict=True)
+    assert done.chunked == 1, done.report()
+    calls = [n.name for n in builder.work.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    region = next(r for plan in done.chunk_result.planning.plans for r in plan.occurrences
+                  if plan.type == PlanType.CHUNK)
+    site = Site(region.match.rule.name, region.match.root.name)
+    assert len(calls) == 4 and {builder.calls.sites[name] for name in calls} == {site}
+    builder.simulate(done.result.graph)
+    assert builder.peak_site() == site
+    builder.start()
+    assert builder.peak_site() is None and not builder.calls.sites

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import sympy
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
@@ -33,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dsl.loader import load_rules
 from engine.apply import Result
 from engine.collector import collector_paused
-from engine.driver import Rewrite, rewrite
+from engine.driver import ChunkCalls, Rewrite, rewrite
 from engine.failures import PlanFailure, Site, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
@@ -82,6 +83,7 @@ class FxBuilder:
         self.two_phase = False
         self.replaced: dict[str, str] = {}      # fx node name -> the plan that recomputes or slices it
         self.rebuilt = False
+        self.calls = ChunkCalls()               # the invoke_subgraph calls of each chunk region
 
 
     def start(self) -> None:
@@ -92,6 +94,7 @@ class FxBuilder:
         self.two_phase = False
         self.rebuilt = False        # nodes added other than chunk calls (a replay's)
         self.replaced = {}
+        self.calls.clear()
 
     def current(self, fold: bool) -> Graph:
         from .peak import fused_away
@@ -106,9 +109,10 @@ class FxBuilder:
         before = set(self.work.graph.nodes)
         apply_chunk(self.work.graph, region, f"remat_chunk_{index}")
         self.two_phase = self.two_phase or len(region.phases) > 1
-        for node in self.work.graph.nodes:
-            if node not in before:
-                node.meta[PLAN] = region.key
+        made = [node for node in self.work.graph.nodes if node not in before]
+        for node in made:
+            node.meta[PLAN] = region.key
+        self.calls.record((n.name for n in made if n.target is torch.ops.higher_order.invoke_subgraph), region)
         self.replaced.update((name, region.key) for n in region.nodes for name in n.backend_nodes or [n.name])
 
     def finish(self, result: Result) -> None:
@@ -144,14 +148,19 @@ class FxBuilder:
         run on the working copy, the joint graph's own walk in schedule order, views aliased."""
         from engine.analysis import simulate_peak
 
-        from .peak import estimated_step_peak
+        from .peak import estimated_step
 
         try:
-            return estimated_step_peak(self.work.graph, self.work)
+            estimate = estimated_step(self.work.graph, self.work)
         except Exception:
             if self.strict:
                 raise
-        return simulate_peak(graph, alias_ops=self.views).peak_bytes or 0
+            estimate = simulate_peak(graph, alias_ops=self.views)
+        self.calls.peak_node = estimate.peak_node.name if estimate.peak_node is not None else None
+        return estimate.peak_bytes or 0
+
+    def peak_site(self) -> Site | None:
+        return self.calls.peak_site()
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.apply import Result
-from engine.driver import Rewrite, rewrite
-from engine.failures import PlanFailure, resolve_strict
+from engine.driver import ChunkCalls, Rewrite, rewrite
+from engine.failures import PlanFailure, Site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
 from engine.plans import ConfigEntry
@@ -25,16 +25,20 @@ class OnnxBuilder:
         self.original = graph
         self.unrolled = unrolled
         self.work = graph
+        self.calls = ChunkCalls()       # the Loops of each chunk region
 
     def start(self) -> None:
         self.work = self.original
+        self.calls.clear()
 
     def current(self, fold: bool) -> Graph:
         return self.work
 
     def build(self, result: Result, region: ChunkRegion, index: int) -> None:
+        before = {id(n) for n in result.graph.nodes}
         apply_chunk(result.graph, region, self.unrolled)
         self.work = result.graph
+        self.calls.record((n.name for n in result.graph.nodes if id(n) not in before and n.op == "Loop"), region)
 
     def finish(self, result: Result) -> None:
         pass
@@ -43,7 +47,12 @@ class OnnxBuilder:
         """ONNX Runtime's peak above rest on the CPU: its order, rewrites and allocator."""
         from .ort_order import estimated_ort_peak
 
-        return estimated_ort_peak(graph).peak_bytes or 0
+        estimate = estimated_ort_peak(graph)
+        self.calls.peak_node = estimate.peak_node.name if estimate.peak_node is not None else None
+        return estimate.peak_bytes or 0
+
+    def peak_site(self) -> Site | None:
+        return self.calls.peak_site()
 
 
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
