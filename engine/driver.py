@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
+from .analysis import PeakEstimate
 from .apply import Planning, Result, apply, plan
 from .errors import ConfigError, GraphError, RuleError
 from .failures import PlanFailure, Site, at_site, resolve_strict, with_fallback
@@ -61,9 +62,18 @@ class Builder(Protocol):
         IR (`current()`'s), in bytes (its order, its allocator): what a budget is checked
         against. A backend may simulate its own graph rather than the IR (fx does)."""
 
-    def peak_site(self) -> Site | None:
-        """After `simulate`: the chunk region (its site) whose slice call the simulated peak
-        fell on, or None (`ChunkCalls` keeps what a backend needs to say so)."""
+    def slice_peak(self) -> SlicePeak | None:
+        """After `simulate`: where the simulated peak fell on a chunk region's slice call, that
+        region and the highest point elsewhere (`ChunkCalls` keeps what a backend needs)."""
+
+
+@dataclass(frozen=True)
+class SlicePeak:
+    """A simulated peak on a chunk region's slice call: the region, and the highest bytes the
+    simulation reached at any step that is not one of its calls."""
+
+    site: Site
+    elsewhere: int
 
 
 @dataclass
@@ -74,7 +84,7 @@ class ChunkCalls:
     slice is the step's highest point, and more slices, not more plans elsewhere, lower it."""
 
     sites: dict[str, Site] = field(default_factory=dict)
-    peak_node: str | None = None        # the node the last simulation peaked at
+    peak: SlicePeak | None = None       # of the last simulation
 
     def record(self, names: Iterable[str], region: ChunkRegion) -> None:
         site = Site(region.match.rule.name, region.match.root.name)
@@ -82,10 +92,14 @@ class ChunkCalls:
 
     def clear(self) -> None:
         self.sites.clear()
-        self.peak_node = None
+        self.peak = None
 
-    def peak_site(self) -> Site | None:
-        return self.sites.get(self.peak_node) if self.peak_node is not None else None
+    def observe(self, estimate: PeakEstimate) -> None:
+        """Read a simulation of the graph holding these calls."""
+        node = estimate.peak_node
+        site = self.sites.get(node.name) if node is not None else None
+        self.peak = None if site is None else SlicePeak(site, max(
+            (b for n, b in zip(estimate.order, estimate.curve) if self.sites.get(n.name) != site), default=0))
 
 
 @dataclass
@@ -332,15 +346,18 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             if slack <= target // 50:
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
-        elif fresh and (finer := _finer_slices(program, builder.peak_site(), done.choice)) is not None:
+        elif fresh and (at := builder.slice_peak()) is not None \
+                and (finer := _finer_slices(program, at.site, done.choice)) is not None:
             # The simulation peaked on a chunk region's slice call: its slice is the step's highest
             # point. The additive model underrates a slice there (a body holds a slice's values
             # and their gradients together, where the whole step wrote a gradient over its values
-            # in place), so more plans elsewhere, which a lower model budget would buy, miss the
-            # peak: the region's counts up to the one built are withdrawn and the same model
-            # budget is solved again.
-            log.debug("budget search: the peak is a slice of %s; finer slices there", builder.peak_site())
-            program, step = finer, model
+            # in place), so more plans elsewhere, which a lower model budget buys, miss that peak:
+            # the region's counts up to the one built are withdrawn, and the model budget steps
+            # down only by what the simulation put over the budget elsewhere.
+            program, overshoot = finer, at.elsewhere - target
+            step = model if overshoot <= 0 else model - overshoot - max(overshoot // 8, target // 100)
+            log.debug("budget search: the peak is a slice of %s (elsewhere %.1f MiB); finer slices there",
+                      at.site, at.elsewhere / 2**20)
         else:
             # Down by the overshoot and a margin (the secant, taking the simulation to move with
             # the model).

@@ -360,6 +360,7 @@ def test_a_peak_on_a_chunk_slice_buys_finer_slices_not_other_plans(monkeypatch):
     with 2 slices fits."""
     from backends.onnx.rewrite import OnnxBuilder
     from engine.budget import Program
+    from engine.driver import SlicePeak
     from engine.failures import Site
     from training_graphs import build_ort_loss_head
 
@@ -375,7 +376,8 @@ def test_a_peak_on_a_chunk_slice_buys_finer_slices_not_other_plans(monkeypatch):
         peak = simulate(self, g)
         loops = [n.name for n in g.nodes if n.op == "Loop"]
         if loops and built and built[-1] <= 2:
-            self.calls.peak_node = loops[0]
+            # the real peak stays the highest point elsewhere
+            self.calls.peak = SlicePeak(self.calls.sites[loops[0]], peak)
             return peak + budget      # over any budget
         return peak
 
@@ -431,7 +433,8 @@ def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in()
                   if plan.type == PlanType.CHUNK)
     site = Site(region.match.rule.name, region.match.root.name)
     assert len(calls) == 4 and {builder.calls.sites[name] for name in calls} == {site}
-    builder.simulate(done.result.graph)
-    assert builder.peak_site() == site
+    peak = builder.simulate(done.result.graph)
+    at = builder.slice_peak()
+    assert at is not None and at.site == site and 0 < at.elsewhere < peak
     builder.start()
-    assert builder.peak_site() is None and not builder.calls.sites
+    assert builder.slice_peak() is None and not builder.calls.sites

@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.apply import Result
-from engine.driver import ChunkCalls, Rewrite, rewrite
-from engine.failures import PlanFailure, Site, resolve_strict
+from engine.driver import ChunkCalls, Rewrite, SlicePeak, rewrite
+from engine.failures import PlanFailure, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
 from engine.plans import ConfigEntry
@@ -48,11 +48,11 @@ class OnnxBuilder:
         from .ort_order import estimated_ort_peak
 
         estimate = estimated_ort_peak(graph)
-        self.calls.peak_node = estimate.peak_node.name if estimate.peak_node is not None else None
+        self.calls.observe(estimate)
         return estimate.peak_bytes or 0
 
-    def peak_site(self) -> Site | None:
-        return self.calls.peak_site()
+    def slice_peak(self) -> SlicePeak | None:
+        return self.calls.peak
 
 
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
