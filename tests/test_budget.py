@@ -438,3 +438,23 @@ def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in()
     assert at is not None and at.site == site and 0 < at.elsewhere < peak
     builder.start()
     assert builder.slice_peak() is None and not builder.calls.sites
+
+
+def test_on_onnx_the_simulated_peak_is_traced_to_the_loop_it_falls_in():
+    """ONNX Runtime's simulation of a head whose loss runs in a Loop peaks in the Loop's body:
+    the builder names the region, and the highest point elsewhere lies below that peak."""
+    from backends.onnx.rewrite import OnnxBuilder
+    from engine.driver import rewrite
+    from engine.failures import Site
+    from training_graphs import build_ort_loss_head
+
+    model, _ = build_ort_loss_head(4096, 64, 8192)
+    builder = OnnxBuilder(import_model(model))
+    done = rewrite(builder, RULES, strict=True)
+    assert done.chunked == 1
+    loops = [n.name for n in done.result.graph.nodes if n.op == "Loop"]
+    site = Site("chunk_linear_cross_entropy", "n_logits_4")
+    assert loops and {builder.calls.sites[name] for name in loops} == {site}
+    peak = builder.simulate(done.result.graph)
+    at = builder.slice_peak()
+    assert at is not None and at.site == site and 0 < at.elsewhere < peak
