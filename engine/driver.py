@@ -87,7 +87,7 @@ class ChunkCalls:
     peak: SlicePeak | None = None       # of the last simulation
 
     def record(self, names: Iterable[str], region: ChunkRegion) -> None:
-        site = Site(region.match.rule.name, region.match.root.name)
+        site = _site(region)
         self.sites.update((name, site) for name in names)
 
     def clear(self) -> None:
@@ -318,6 +318,10 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     over: tuple[int, int] | None = None     # the last overshooting probe: (model budget, simulated)
     cheapest_over: float | None = None      # the extra time of the choice at hi, which overshot
 
+    def margined(overshoot: int) -> int:
+        """A first step down: the overshoot and a margin (the overshoot alone tends to land just over)."""
+        return overshoot + max(overshoot // 8, target // 100)
+
     def small(gain: float) -> bool:
         """Too little extra time saved over the best fitting rewrite to build another for."""
         return gain <= max(GAIN_FLOOR, 0.02 * best.choice.extra_seconds)
@@ -355,7 +359,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             # the region's counts up to the one built are withdrawn, and the model budget steps
             # down only by what the simulation put over the budget elsewhere.
             program, overshoot = finer, at.elsewhere - target
-            step = model if overshoot <= 0 else model - overshoot - max(overshoot // 8, target // 100)
+            step = model if overshoot <= 0 else model - margined(overshoot)
             log.debug("budget search: the peak is a slice of %s (elsewhere %.1f MiB); finer slices there",
                       at.site, at.elsewhere / 2**20)
         else:
@@ -368,8 +372,8 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             # steps of the overshoot alone cannot crawl.
             overshoot = done.simulated_peak - target
             slope = 0.0 if over is None else (over[1] - done.simulated_peak) / max(1, over[0] - model)
-            if not down:        # with a margin: a first step of the overshoot alone tends to land just over
-                down = overshoot + max(overshoot // 8, target // 100)
+            if not down:
+                down = margined(overshoot)
             elif slope >= 0.5:
                 down = int(overshoot / min(slope, 1.0) * 1.5) + target // 200
             else:
@@ -390,10 +394,10 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
     return best
 
 
-def _finer_slices(program: Program, site: Site | None, choice: Choice) -> Program | None:
+def _finer_slices(program: Program, site: Site, choice: Choice) -> Program | None:
     """`program` without the options that slice the chunk region at `site` as few ways as
     `choice` does or fewer; None where the choice did not slice it or no finer count remains."""
-    k = choice.selection.get(site) if site is not None else None
+    k = choice.selection.get(site)
     if k is None or not any(o.group == site and o.key[1] > k for o in program.options):
         return None
     return replace(program, options=[o for o in program.options if not (o.group == site and o.key[1] <= k)])
