@@ -61,7 +61,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     refusals = []
     for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
         try:
-            with at_site(Site(m.rule.name, m.root.name), "grow"):
+            with at_site(m.site, "grow"):
                 region = grow_chunk(m, ctx) if m.rule.plan_type == PlanType.CHUNK else grow(m, ctx, state)
         except PlanFailure as failure:
             if strict:
@@ -114,10 +114,10 @@ def _configured(plans: list[Plan], entries: list[ConfigEntry] | None, lenient: b
 def _selected(plans: list[Plan], selection: dict[Site, int | None]) -> list[tuple[Plan, Any]]:
     chosen = []
     for p in plans:
-        picked = [r for r in p.occurrences if Site(r.match.rule.name, r.match.root.name) in selection]
+        picked = [r for r in p.occurrences if r.match.site in selection]
         p.requested = len(picked)
         for r in picked:
-            count = selection[Site(r.match.rule.name, r.match.root.name)]
+            count = selection[r.match.site]
             if isinstance(r, ChunkRegion) and count is not None:
                 r.reslice(count)
             chosen.append((p, r))
@@ -158,7 +158,7 @@ def apply(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None =
     chunks = sorted((r for p, r in chosen if p.type == PlanType.CHUNK), key=lambda r: analysis.position[id(r.match.root)])
     chosen = [(p, r) for p, r in chosen if p.type != PlanType.CHUNK]
     for p, region in sorted(chosen, key=lambda pr: _priority(pr[1].match, analysis)):
-        with at_site(Site(region.match.rule.name, region.match.root.name), "rewrite", p.key):
+        with at_site(region.match.site, "rewrite", p.key):
             fresh = grow(region.match, ctx, state)
             if isinstance(fresh, Reason):
                 planning.refusals.append(Refusal(region.match, fresh))

@@ -87,7 +87,7 @@ class ChunkCalls:
     peak: SlicePeak | None = None       # of the last simulation
 
     def record(self, names: Iterable[str], region: ChunkRegion) -> None:
-        site = _site(region)
+        site = region.match.site
         self.sites.update((name, site) for name in names)
 
     def clear(self) -> None:
@@ -281,7 +281,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         results = [r for r in (done.chunk_result, done.result) if r is not None]
         plans = [p for r in results for p in r.planning.plans if p.requested]
         annotate_costs(Planning(done.result.graph, rules, done.result.planning.analysis, plans), device)
-        selection = {Site(o.match.rule.name, o.match.root.name): None for p in plans for o in p.occurrences}
+        selection = {o.match.site: None for p in plans for o in p.occurrences}
         done.choice = Choice(target, original, done.simulated_peak,
                              sum(p.extra_seconds or 0.0 for p in plans), selection, note=note)
         holding = done
@@ -423,7 +423,7 @@ def _never_above_original(builder: Builder, rules: RuleSet, tiers: tuple[str, ..
     for result in (done.chunk_result, done.result):
         for p in (result.planning.plans if result is not None else []):
             if p.requested:
-                sites.setdefault(p.key, []).extend(Site(o.match.rule.name, o.match.root.name) for o in p.occurrences)
+                sites.setdefault(p.key, []).extend(o.match.site for o in p.occurrences)
     keys, withheld = list(sites), []
     best, best_selection = done, None
 
@@ -484,19 +484,19 @@ def _attempt(builder: Builder, rules: RuleSet, entries: list[ConfigEntry] | None
                            forward_outputs, lenient=True, strict=strict, excluded=excluded, selection=selection,
                            estimate_peaks=estimate_peaks)
             first = first or result
-            pending = [r for r in result.chunks if _site(r) not in unbuildable]
+            pending = [r for r in result.chunks if r.match.site not in unbuildable]
             consumed = _Consumed()
         if not pending:
             break
         region = pending.pop(0)
         try:
-            with at_site(_site(region), "build", region.key):
+            with at_site(region.match.site, "build", region.key):
                 builder.build(result, region, chunked)
         except PlanFailure as failure:
             if not isinstance(failure.cause, GraphError):
                 raise
             # Refused by the backend before it changed anything: the graph runs this region whole.
-            unbuildable.add(_site(region))
+            unbuildable.add(region.match.site)
             not_built.append(f"{region.match.rule.name} at {region.match.root.name}: {failure.cause}")
             continue
         consumed.add(region)
@@ -532,7 +532,3 @@ class _Consumed:
         if region.tangent is not None:
             values.append(region.tangent)
         return any(n.name in self.nodes for n in nodes) or any(v.name in self.values for v in values)
-
-
-def _site(region: ChunkRegion) -> Site:
-    return Site(region.match.rule.name, region.match.root.name)

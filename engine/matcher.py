@@ -39,6 +39,11 @@ class Match:
     def value(self, name: str) -> Value:
         return self.bindings[name]
 
+    @property
+    def site(self) -> Site:
+        """The match's name in plan selections and failures: its rule at its root."""
+        return Site(self.rule.name, self.root.name)
+
 
 @dataclass
 class Reason:

@@ -35,7 +35,7 @@ from dsl.loader import load_rules
 from engine.apply import Result
 from engine.collector import collector_paused
 from engine.driver import ChunkCalls, Rewrite, SlicePeak, rewrite
-from engine.failures import PlanFailure, Site, at_site, resolve_strict
+from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
 from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
@@ -123,7 +123,7 @@ class FxBuilder:
         built: set[str] = set()
         made: list[fx.Node] = []
         for region in result.applied:
-            with at_site(Site(region.match.rule.name, region.match.root.name), "build", region.key):
+            with at_site(region.match.site, "build", region.key):
                 tagged = []
                 for node in region.nodes:
                     if id(node) in region.replays:

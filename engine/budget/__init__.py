@@ -61,7 +61,7 @@ class Choice:
     def mark(self, plans) -> None:
         """Set each plan's requested count to the occurrences chosen, for the plan table."""
         for plan in plans:
-            plan.requested = sum(1 for r in plan.occurrences if site_of(r) in self.selection)
+            plan.requested = sum(1 for r in plan.occurrences if r.match.site in self.selection)
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget, "original_peak_bytes": self.original_peak,
@@ -72,10 +72,6 @@ class Choice:
         return (f"Budget {self.budget / 2**20:.1f} MiB: estimated peak {self.original_peak / 2**20:.1f} -> "
                 f"{self.estimated_peak / 2**20:.1f} MiB, estimated extra time {self.extra_seconds * 1e3:.2f} ms, "
                 f"{len(self.selection)} plan occurrence(s) chosen" + (f" ({self.note})" if self.note else ""))
-
-
-def site_of(region) -> Site:
-    return Site(region.match.rule.name, region.match.root.name)
 
 
 def menu(region: ChunkRegion) -> list[int]:
@@ -102,7 +98,7 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
 
     for plan in planning.plans:
         for region in plan.occurrences:
-            site = site_of(region)
+            site = region.match.site
             if plan.type == PlanType.CHUNK:
                 chunk_values[site] = chunk_value_names(region)
                 for k in menu(region):
@@ -121,7 +117,7 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
             continue
         for region in plan.occurrences:
             names = {t.name for t in region.targets}
-            conflicts += [(site_of(region), chunk) for chunk, values in chunk_values.items() if names & values]
+            conflicts += [(region.match.site, chunk) for chunk, values in chunk_values.items() if names & values]
     return options, conflicts
 
 
