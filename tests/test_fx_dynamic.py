@@ -28,8 +28,10 @@ def inputs_of(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, CFG.vocab, shape, generator=g), torch.randint(0, CFG.vocab, shape, generator=g)
 
 
-@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
-def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn, how):
+def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn):
+    """`dynamic=True`. (`mark_dynamic`, the other way to one compile: the tests of a declared
+    largest size below; automatic dynamic shapes, where a second length recompiles:
+    tests/test_hf_models.py, GPT-2 on padded batches.)"""
     model = gpt(CFG)
     remat = fx_backend.backend()
     graphs = []
@@ -38,15 +40,12 @@ def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn, how)
         graphs.append(gm)
         return remat(gm, example_inputs)
 
-    compiled = torch.compile(model, backend=counting, dynamic=True if how == "dynamic" else None)
+    compiled = torch.compile(model, backend=counting, dynamic=True)
     counters.clear()
     compiles = []
     with inductor_config.patch(fallback_random=True):
         for length in LENGTHS:
             inputs = inputs_of(length)
-            if how == "mark_dynamic":
-                for t in inputs:
-                    torch._dynamo.mark_dynamic(t, 1)
             torch.manual_seed(1)
             want_loss, want_grads, _ = training_step(model, model, inputs)
             torch.manual_seed(1)
@@ -70,33 +69,6 @@ def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn, how)
     assert isinstance(region.extent, sympy.Expr) and region.extent.free_symbols and len(region.chunks) == 2
     assert region.saved.free_symbols
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
-
-
-def test_a_second_length_makes_dynamo_go_dynamic_and_the_loss_chunk_stays(fresh_compiles):
-    """What training on batches padded to their longest sequence does: the first length compiles
-    statically, chunked; at the second Dynamo recompiles with the length dynamic on its own
-    (automatic dynamic shapes), and the loss chunk is built there too, with slices of symbolic
-    sizes. Without dropout the loss's mean divides by a symbolic count: Dynamo then restarts
-    its analysis from inside the backend (TensorifyScalarRestartAnalysis), which remat let
-    through rather than compiling the graph without remat."""
-    import warnings
-
-    cfg = replace(CFG, dropout=0.0)
-    model = gpt(cfg)
-    remat = fx_backend.backend(strict=False)
-    compiled = torch.compile(model, backend=remat)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for length in (LENGTHS[0], LENGTHS[1], LENGTHS[1] - 5):
-            loss, grads, _ = training_step(model, compiled, inputs_of(length))
-            want_loss, want_grads, _ = training_step(model, model, inputs_of(length))
-            assert relative_error(loss, want_loss) < 1e-4, length
-            assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
-    assert not remat.remat_pass.failures and len(remat.remat_pass.results) == 2
-    static, dynamic = remat.remat_pass.chunk_results
-    assert remat.remat_pass.chunked == 2 and static.chunks[0].extent is None
-    assert dynamic.chunks[0].extent.free_symbols
-    assert not [w for w in caught if "sizes are dynamic" in str(w.message) or "failed" in str(w.message)]
 
 
 def test_dynamo_restarting_its_analysis_is_not_a_failure_of_remat(fresh_compiles):
@@ -213,14 +185,16 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     the tokens' rows are grouped into (batch, seq) and back into batch x (seq - 1), so the slices
     must be whole sequences, whose rows are a formula (the reshape's unit, 1/s0). The region is
     counted in sequences: a fixed count of slices of whole sequences, each value's rows per
-    sequence a formula (s0, s0 - 1). Automatic dynamic shapes keep the batch static (4
-    sequences); dynamic=True makes it a symbol too. Before, both were refused (the reshape "does
-    not carry dim 0"), and the loss ran whole from the second length on."""
+    sequence a formula (s0, s0 - 1). A dynamic length keeps the batch static (4 sequences:
+    the length marked dynamic here, the graph automatic dynamic shapes make at a second length);
+    dynamic=True makes it a symbol too. Before, both were refused (the reshape "does not carry
+    dim 0"), and the loss ran whole from the second length on."""
     model = gpt(replace(CFG, dropout=0.0, label_shift=True))
     remat = fx_backend.backend(strict=True)
     compiled = torch.compile(model, backend=remat, dynamic=dynamic)
     for length in (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15):
-        loss, grads, _ = training_step(model, compiled, inputs_of(length))
+        inputs = inputs_of(length) if dynamic else _mark_lengths(inputs_of(length), None)
+        loss, grads, _ = training_step(model, compiled, inputs)
         want_loss, want_grads, _ = training_step(model, model, inputs_of(length))
         assert relative_error(loss, want_loss) < 1e-4, length
         assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length

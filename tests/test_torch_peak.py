@@ -56,11 +56,12 @@ def test_the_estimate_is_within_ten_percent_of_the_tensors_a_gpt_step_holds(fres
     assert 0.9 <= estimate / measured <= 1.1, (estimate, measured)
 
 
-@pytest.mark.parametrize("backend", ["inductor", "remat"])
-def test_the_estimate_holds_at_dynamic_sizes(fresh_compiles, backend):
+def test_the_estimate_holds_at_dynamic_sizes(fresh_compiles):
     """A dynamic graph's sizes are formulas Inductor knows (sizevars): it writes the loss's
     gradient over the logits of `4*s0` rows as it does at 1024 rows. The model said they could
-    not be shown the same size and kept both (1.46x the measured peak on the benchmark's GPT)."""
+    not be shown the same size and kept both (1.46x the measured peak on the benchmark's GPT).
+    Checked on remat's graph, which holds the same loss and its chunk's slices at symbolic sizes."""
+    backend = "remat"
     from backends.models import GPTConfig, gpt
 
     torch.manual_seed(0)

@@ -4,7 +4,8 @@ in fp32) and fire the rules it is built for; together they fire every shipped ru
 mixes of the switches: tests/test_zoo_random.py (a file of its own, so that `make test`'s
 workers, a file each, run the two at once).
 
-About 3-4 minutes on 2 CPU cores (one Inductor compile per variant)."""
+About 6 minutes on 2 CPU cores with no Inductor cache (one compile per variant; a C++ compile of
+each new kernel)."""
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -980,29 +980,28 @@ FIXED: list[Variant] = [
     # bfloat16 scores are 8 MiB: below chunk_attention_scores' 16 MiB. Soft-capped logits
     # (Gemma 2): the cap runs on (batch, seq, vocab), between the head's reshape and the loss's,
     # which the slices of tokens skip (the cap runs on (tokens, vocab) slices).
-    # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
-    # new_empty_strided buffers, written as clones before the rules see the graph
-    # (backends/fx/normalize.py), and the attention chunk grows through them.
-    V("gpt_inplace_div_float_additive", scale="div_float", mask="additive", inplace=True, expect=CHUNKS),
+    # In place too (`div_`, `+=`), below with the attention chunk.
     V("gpt_bf16_fp32_softmax_inplace_softcap", precision="bf16", inplace=True, loss="softcap",
       expect=("recompute_cast", "chunk_linear_cross_entropy")),
     V("gpt_autocast_blocks_sdpa_is_causal_graph_break_nll", precision="autocast", scale="sdpa",
       mask="is_causal", graph_break=True, loss="nll", expect=("chunk_linear_cross_entropy",)),
-    V("gpt_autocast_all_nn_mha", precision="autocast_all", scale="nn_mha",
-      expect=("chunk_linear_cross_entropy",)),
     # The whole forward under autocast with a graph break inside it: dynamo hands the backend
     # an empty graph (no inputs, no outputs) for the fragment before the break.
-    V("gpt_autocast_all_graph_break", precision="autocast_all", graph_break=True,
+    V("gpt_autocast_all_nn_mha_graph_break", precision="autocast_all", scale="nn_mha", graph_break=True,
       expect=("chunk_linear_cross_entropy",)),
     V("gpt_2layers_checkpoint_expensive_div_float", layers=2, checkpoint=True, scale="div_float",
       tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
     # PaLM's z-loss: logsumexp reads the logits beside the cross-entropy.
     V("gpt_z_loss", loss="z_loss", expect=CHUNKS),
     # The z-loss's logsumexp over the (batch, seq, vocab) logits: more than the slices of tokens can
-    # run in that shape, so the loss chunk runs in whole batch rows. The masked loss of fine-tuning
-    # (reduction="none", a mask over the labels to learn).
+    # run in that shape, so the loss chunk runs in whole batch rows.
     V("gpt_z_loss_seq", loss="z_loss_seq", expect=CHUNKS),
-    V("gpt_ce_masked_flinear", loss="ce_masked", logits="f_linear", expect=CHUNKS),
+    # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
+    # new_empty_strided buffers, written as clones before the rules see the graph
+    # (backends/fx/normalize.py), and the attention chunk grows through them. The masked loss of
+    # fine-tuning (reduction="none", a mask over the labels to learn).
+    V("gpt_inplace_div_float_additive_ce_masked_flinear", scale="div_float", mask="additive", inplace=True,
+      loss="ce_masked", logits="f_linear", expect=CHUNKS),
     # torch's own nn.TransformerEncoder, compiled with dynamic=True.
     # (recompute_activation does not fire here, though it does on the static model and on a
     # dynamic GPT.)
