@@ -32,11 +32,15 @@ def run_point(args, layers: int, seq: int) -> dict[str, dict]:
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
     rounds: dict[str, list[dict]] = {}
     configs = ["compile", f"budget-{args.torch_budget}"]
+    remat_added = False
     for _ in range(args.rounds):
         for config in configs:
             for name, row in _run(step + ["--configs", config], args.timeout).items():
                 rounds.setdefault(name, []).append(row)
-            if config == "compile" and len(configs) == 2:
+            if config == "compile" and not remat_added:
+                # The first round's compile fixes remat's budget; the configuration joins this
+                # round (the loop reads the list as it grows) and every later one.
+                remat_added = True
                 first = rounds.get("compile", [{}])[0]
                 if "failed" not in first and "above" in first:
                     configs.append(f"remat-budget-{args.fraction * first['above']:.0f}MiB")
