@@ -69,15 +69,6 @@ def run_one(variant, timeout: float, baseline: bool | None = None) -> dict:
             "frames": tail, "fired": {}, "tolerance": variant.tolerance}
 
 
-def is_notice(warning: str) -> bool:
-    """A warning that is advice to the user, not a fault: a chunk rule not applied because torch
-    cannot prove two sizes equal (backends.fx.compile.UNPROVEN_SIZES; the hand-written loss under
-    dynamic=True, as tests/zoo.py implied_rules expects)."""
-    from backends.fx.compile import UNPROVEN_SIZES
-
-    return UNPROVEN_SIZES.split("{rule}")[1].split("{a}")[0] in warning
-
-
 def within(r: dict) -> bool:
     return bool(r.get("within"))
 
@@ -147,13 +138,13 @@ def main() -> None:
                   f"tolerance {r['tolerance']:.0e}; plain Inductor: loss {fmt(r.get('base_loss_err'))}, "
                   f"grad {fmt(r.get('base_grad_err'))}")
     warned = [(v, r) for v, r in results
-              if r.get("chunk_failures") or any(not is_notice(w) for w in r.get("warnings", []))]
+              if r.get("chunk_failures") or r.get("warnings")]
     if warned:
         print("\nWarnings (strict mode should have none):")
         for v, r in warned:
-            for w in r.get("chunk_failures", []) + [w for w in r.get("warnings", []) if not is_notice(w)]:
+            for w in r.get("chunk_failures", []) + r.get("warnings", []):
                 print(f"  {v.name}: {w}")
-    noticed = [(v, w) for v, r in results for w in r.get("warnings", []) if is_notice(w)]
+    noticed = [(v, w) for v, r in results for w in r.get("notices", [])]
     if noticed:
         print("\nNotices (a rule not applied, and what the user's code can say to apply it; not errors):")
         for v, w in noticed:

@@ -700,6 +700,7 @@ class ZooResult:
     graphs: int = 0                  # joint graphs the pass ran on (more than one: a graph break)
     chunk_failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # remat's warnings (none expected in strict mode)
+    notices: list[str] = field(default_factory=list)    # advice to the user, not faults (RematPass.notices)
     refused: list[str] = field(default_factory=list)    # why chunk rules did not fire where they matched
     error_type: str = ""
     error: str = ""
@@ -895,8 +896,11 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
             warnings.simplefilter("always")
             compiled = _compiled_steps(model, batches, backend, variant.dynamic, eager_random)
         res.compiled = True
+        notices = set(getattr(getattr(backend, "remat_pass", None), "notices", []))
         res.warnings = sorted({str(w.message).splitlines()[0][:300] for w in caught
-                               if "remat" in str(w.message) or "chunk" in str(w.message)})
+                               if ("remat" in str(w.message) or "chunk" in str(w.message))
+                               and str(w.message) not in notices})
+        res.notices = sorted(notices)
     except Exception as err:            # noqa: BLE001 - recorded, the zoo goes on
         inner = _innermost(err)
         res.error_type = type(inner).__name__
