@@ -412,7 +412,6 @@ def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in()
     from backends.fx import joint_graph
     from backends.fx.compile import FxBuilder
     from engine.driver import rewrite
-    from engine.failures import Site
     from engine.plan_type import PlanType
 
     class Head(nn.Module):
@@ -431,7 +430,7 @@ def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in()
     calls = [n.name for n in builder.work.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     region = next(r for plan in done.chunk_result.planning.plans for r in plan.occurrences
                   if plan.type == PlanType.CHUNK)
-    site = Site(region.match.rule.name, region.match.root.name)
+    site = region.match.site
     assert len(calls) == 4 and {builder.calls.sites[name] for name in calls} == {site}
     peak = builder.simulate(done.result.graph)
     at = builder.slice_peak()
