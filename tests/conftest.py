@@ -10,6 +10,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The suite runs remat strict: an internal error is raised, never hidden by a fallback
 # (tests of the fallback itself pass strict=False).
 os.environ.setdefault("REMAT_STRICT", "1")
+# Inductor compiles each new C++ kernel in a pool of subprocesses, one per core, that each worker
+# of `make test` (and each rank a test spawns) starts for itself. Where every core already runs a
+# worker, the pool buys no parallel compile, and starting and feeding it costs CPU the workers
+# need: test_fx_backend.py with test_fx_dropout.py, no Inductor cache, took 142 s of CPU with the
+# pool and 124 s compiling in the worker itself. Set before torch._inductor.config reads it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

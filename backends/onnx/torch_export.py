@@ -212,6 +212,53 @@ def _attention_in_matmuls(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return probs @ value
 
 
+@functools.cache
+def _torchlib_registry(opset_version: int):
+    from torch.onnx._internal.exporter import _registration
+
+    return _ORIGINAL_FROM_TORCHLIB.__func__(_registration.ONNXRegistry, opset_version)
+
+
+def _registry_copy(cls, opset_version=None):
+    """A copy of the registry built for `opset_version`, its lists of functions copied too: the
+    export registers its custom translations into the copy, never into the one kept."""
+    from torch.onnx._internal.exporter import _constants
+
+    built = _torchlib_registry(_constants.TORCHLIB_OPSET if opset_version is None else opset_version)
+    registry = copy.copy(built)
+    registry.functions = {target: list(decomps) for target, decomps in built.functions.items()}
+    return registry
+
+
+def _registry_built_once():
+    """torch.onnx.export builds its registry of ATen-to-ONNX functions anew on every call, and
+    onnxscript parses each function's Python source again for its signature: 1.2 s of a 2.8 s
+    export of a one-layer GPT step on this machine's CPU, the same work every time (tests/ run a
+    few hundred exports). The registry depends on nothing but its opset version, so it is built
+    once a process and each export is handed a copy. Where this torch names its registry
+    otherwise (`ONNXRegistry.from_torchlib`, torch >= 2.6, and its `functions`), each export
+    builds its own, as torch does."""
+    if _ORIGINAL_FROM_TORCHLIB is None:
+        return contextlib.nullcontext()
+    from torch.onnx._internal.exporter import _registration
+
+    return mock.patch.object(_registration.ONNXRegistry, "from_torchlib", classmethod(_registry_copy))
+
+
+def _original_from_torchlib():
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+        probe = _registration.ONNXRegistry()
+        return original if isinstance(original, classmethod) and isinstance(probe.functions, dict) else None
+    except (ImportError, AttributeError, KeyError):
+        return None
+
+
+_ORIGINAL_FROM_TORCHLIB = _original_from_torchlib()
+
+
 @contextlib.contextmanager
 def _quiet():
     """Warnings held back, and torch.onnx's op registry's: it logs one per torchvision op when
@@ -572,7 +619,7 @@ def export_training_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         dynamic_shapes = tuple(specs) + tuple(None for _ in params)
         if isinstance(traced.graph, _HeldBuffers):
             dynamic_shapes = (dynamic_shapes,)      # its forward takes them as one `*args`
-    with _quiet():
+    with _quiet(), _registry_built_once():
         program = torch.onnx.export(
             traced.graph, (*inputs, *params), dynamo=True, optimize=False, verbose=False,
             dynamic_shapes=dynamic_shapes, custom_translation_table=_TRANSLATIONS,
