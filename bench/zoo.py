@@ -2,7 +2,7 @@
 
     python bench/zoo.py                   # FIXED
     python bench/zoo.py --hypothesis 5    # and 5 random switch mixes
-    python bench/zoo.py --only issue_gpt_scores_div_float --timeout 120
+    python bench/zoo.py --only issue_gpt_scores_div_float_z_loss --timeout 120
 
 `--baseline` also compiles each variant with plain Inductor and shows its errors (a
 low-precision variant over its tolerance gets this anyway: it passes within 2x of them).

@@ -4,7 +4,7 @@ batch and sequence dims symbolic.
     python bench/zoo_onnx.py                        # the FIXED variants the exporters take
     python bench/zoo_onnx.py --random 8 --seed 2525 # and 8 random mixes
     python bench/zoo_onnx.py --static               # example sizes only
-    python bench/zoo_onnx.py --only issue_gpt_scores_div_float --random 0
+    python bench/zoo_onnx.py --only issue_gpt_scores_div_float_z_loss --random 0
 
 Each variant runs in its own process with a time limit: exported (make-fx, `--dynamic` dims:
 batch and seq for the token models, at 3 x 448 tokens, shorter than their masks, batch for the

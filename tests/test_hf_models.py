@@ -50,35 +50,16 @@ def backward_and_collect(model, out) -> dict:
     return got
 
 
-def test_gpt2_compiled_as_users_call_it_returns_its_logits_and_still_chunks_the_loss(fresh_compiles):
-    """The model itself compiled, called by keyword, its ModelOutput's loss backpropagated: the
-    logits (tokens x vocab, 16 MiB) are a graph output beside the loss. The loss chunk still runs
-    (in two phases, the logits leaving it whole), and the logits, loss and gradients are eager's."""
-    import backends.fx as fx_backend
-
-    wrapped, (ids, labels) = hf_models.gpt2(vocab=8192, d=64, layers=1, heads=4, batch=2, seq=256)
-    model = wrapped.model
-
-    def step(fn):
-        return backward_and_collect(model, fn(input_ids=ids, labels=labels))
-
-    want = step(model)
-    remat = fx_backend.backend(strict=True)
-    got = step(torch.compile(model, backend=remat))
-    assert remat.remat_pass.chunked == 1, [r.report() for r in remat.remat_pass.chunk_results]
-    [region] = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
-    assert region.match.rule.name == "chunk_linear_cross_entropy" and len(region.phases) == 2
-    errors = relative_errors(got, want)
-    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
-
-
 def test_gpt2_on_batches_padded_to_their_longest_keeps_the_loss_chunk_once_the_length_goes_dynamic(
         fresh_compiles):
     """Fine-tuning as transformers' collators feed it: each batch padded to its longest sequence,
     the padding masked and its labels -100. At the second length Dynamo recompiles with the
     length dynamic (automatic dynamic shapes); the loss chunk is built there too, its slices of
     symbolic sizes (the mask's length is the ids' by Dynamo's replacement, the symbol the body
-    must be given), and every length's loss, logits and gradients are eager's."""
+    must be given), and every length's loss, logits and gradients are eager's. The model itself is
+    compiled and called by keyword, as users call it, its ModelOutput's loss backpropagated: the
+    logits are a graph output beside the loss, and the loss chunk runs in two phases at the first
+    length too, the logits leaving it whole."""
     import sympy
 
     import backends.fx as fx_backend
@@ -100,5 +81,7 @@ def test_gpt2_on_batches_padded_to_their_longest_keeps_the_loss_chunk_once_the_l
         assert max(errors.values()) < 1e-4, (length, max(errors.items(), key=lambda kv: kv[1]))
     static, dynamic = remat.remat_pass.chunk_results
     [region] = dynamic.chunks
-    assert remat.remat_pass.chunked == 2 and static.chunks[0].extent is None
+    [first] = static.chunks
+    assert remat.remat_pass.chunked == 2 and first.extent is None and len(first.phases) == 2
+    assert first.match.rule.name == region.match.rule.name == "chunk_linear_cross_entropy"
     assert isinstance(region.extent, sympy.Expr) and region.extent.free_symbols and len(region.phases) == 2

@@ -11,7 +11,7 @@ import zoo  # noqa: E402
 from test_zoo import check, result_of  # noqa: E402
 
 # Every switch but the dropout's probability and whose random numbers the steps draw (both at
-# their defaults: no random numbers): the FIXED variant gpt_dropout_train and `bench/zoo.py
+# their defaults: no random numbers): the FIXED variant gpt_dropout_train_z_loss_seq and `bench/zoo.py
 # --hypothesis N` (zoo.random_variant draws every switch) cover those; drawn here too, the
 # derandomized second mix became one that took 113 s to compile and run, against 67.
 variants = st.builds(

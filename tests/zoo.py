@@ -941,7 +941,8 @@ V = Variant
 FIXED: list[Variant] = [
     # The model of the issue: nanoGPT with its scores divided by a Python float
     # (`q @ k.transpose(-2, -1) / math.sqrt(hd)`), which crashed check_linear with an IndexError.
-    V("issue_gpt_scores_div_float", scale="div_float",
+    # With PaLM's z-loss: logsumexp reads the logits beside the cross-entropy.
+    V("issue_gpt_scores_div_float_z_loss", scale="div_float", loss="z_loss",
       expect=CHUNKS + ("recompute_activation",)),
     # LoRA fine-tuning: the frozen weights get no gradient, the adapters do; the chunks fire as
     # with every weight trained. Meta's Llama code: RMSNorm by hand, SwiGLU, rotary positions in
@@ -971,8 +972,10 @@ FIXED: list[Variant] = [
     # backward from its kept mask (recompute_dropout); remat's steps are plain Inductor's, seed for
     # seed. (Under fallback_random, eager's numbers: tests/test_fx_dropout.py, and test_chunk.py's
     # refusal of the attention chunk there.)
-    V("gpt_dropout_train", dropout=True, dropout_p=0.1, random="inductor", tiers=("expensive",),
-      expect=CHUNKS + ("recompute_dropout",)),
+    # The z-loss's logsumexp over the (batch, seq, vocab) logits: more than the slices of tokens can
+    # run in that shape, so the loss chunk runs in whole batch rows.
+    V("gpt_dropout_train_z_loss_seq", dropout=True, dropout_p=0.1, random="inductor", tiers=("expensive",),
+      loss="z_loss_seq", expect=CHUNKS + ("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
       dropout=True, returns="logits_loss", loss="ce_hand", tiers=("expensive",),
       expect=("chunk_linear_cross_entropy", "recompute_norm", "recompute_activation")),
@@ -995,11 +998,6 @@ FIXED: list[Variant] = [
       expect=("chunk_linear_cross_entropy",)),
     V("gpt_2layers_checkpoint_expensive_div_float", layers=2, checkpoint=True, scale="div_float",
       tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
-    # PaLM's z-loss: logsumexp reads the logits beside the cross-entropy.
-    V("gpt_z_loss", loss="z_loss", expect=CHUNKS),
-    # The z-loss's logsumexp over the (batch, seq, vocab) logits: more than the slices of tokens can
-    # run in that shape, so the loss chunk runs in whole batch rows.
-    V("gpt_z_loss_seq", loss="z_loss_seq", expect=CHUNKS),
     # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
     # new_empty_strided buffers, written as clones before the rules see the graph
     # (backends/fx/normalize.py), and the attention chunk grows through them. The masked loss of
