@@ -10,12 +10,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The suite runs remat strict: an internal error is raised, never hidden by a fallback
 # (tests of the fallback itself pass strict=False).
 os.environ.setdefault("REMAT_STRICT", "1")
-# Inductor compiles each new C++ kernel in a pool of subprocesses, one per core, that each worker
-# of `make test` (and each rank a test spawns) starts for itself. Where every core already runs a
-# worker, the pool buys no parallel compile, and starting and feeding it costs CPU the workers
-# need: test_fx_backend.py with test_fx_dropout.py, no Inductor cache, took 142 s of CPU with the
-# pool and 124 s compiling in the worker itself. Set before torch._inductor.config reads it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -59,6 +53,29 @@ def pytest_configure(config):
     name = config.getoption("remat_profile", default=None)
     if name:
         settings.load_profile(name)
+
+
+# Inductor's C++ kernels are compiled vectorized (AVX-512 here) for the users' models of the zoo and
+# transformers' GPT-2, as users run them; every other test compiles them scalar (`cpp.simdlen` 1,
+# which matches no vector width: Inductor's own switch for scalar kernels, read per compile). remat
+# hands Inductor a graph; whether each kernel is then written with vector instructions is Inductor's
+# choice below that graph, and the tests of remat's plans, chunks, estimates and numbers hold
+# either way. A vectorized kernel is dearer to compile: g++ instantiates the header's AVX-512
+# templates in every one (0.38 s of CPU in a trivial kernel that takes 0.5 s, against 0.17 s scalar).
+# test_fx_backend.py with test_fx_dropout.py, no Inductor cache: 142.2 s of CPU vectorized, 89.3 and
+# 94.2 s scalar. The processes a test spawns (test_data_parallel.py's ranks) compile vectorized.
+VECTORIZED = ("test_zoo.py", "test_zoo_random.py", "test_hf_models.py")
+
+
+@pytest.fixture(autouse=True)
+def _scalar_kernels(request):
+    if request.path.name in VECTORIZED or "torch" not in sys.modules:
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.simdlen": 1}):
+        yield
 
 
 @pytest.fixture
