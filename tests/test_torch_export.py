@@ -658,18 +658,43 @@ class _CrossEntropyHead(torch.nn.Module):
 
 def test_torch_onnx_builds_its_op_registry_once_a_process_and_each_export_registers_into_a_copy():
     """torch.onnx.export would rebuild its ATen-to-ONNX registry on every call (1.2 s of a 2.8 s
-    export); remat's exports share one. The loss's custom translation (nll_loss_forward) is
-    registered into each export's copy: the registry kept has no custom function."""
+    export); remat's exports share one. The loss's custom translation (nll_loss_forward, which
+    AOTAutograd's joint graph leaves to torch.onnx) is registered into each export's copy, and the
+    registry kept has no custom function."""
     from backends.onnx import torch_export
 
     assert torch_export._ORIGINAL_FROM_TORCHLIB is not None, "this torch's ONNXRegistry is not recognized"
     before = torch_export._torchlib_registry.cache_info()
     inputs = (torch.randn(6, 8), torch.randint(0, 16, (6,)))
     for _ in range(2):
-        exported = torch_export.export_training_step(_CrossEntropyHead(), inputs, ["x", "targets"])
+        exported = torch_export.export_training_step(_CrossEntropyHead(), inputs, ["x", "targets"],
+                                                     exporter="aot-joint")
+        # the mean loss's translation is in the copy: without it the gradients are 6x (the tokens)
+        assert max_relative_error(run(exported.model, exported.feeds), exported.reference)[0] < 1e-4
     after = torch_export._torchlib_registry.cache_info()
     assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1
     [opset] = [o.version for o in exported.model.opset_import if o.domain == ""]
     kept = torch_export._torchlib_registry(opset)
     assert torch_export._torchlib_registry.cache_info().misses == after.misses    # the exports' own
     assert kept.functions and not [m for ms in kept.functions.values() for m in ms if m.is_custom]
+
+
+def test_where_torchs_registry_is_another_shape_each_export_builds_its_own(monkeypatch):
+    """Older torch's `from_torchlib` took a torchlib registry, not an opset version: not stood in for,
+    and every export then builds its registry as torch does."""
+    from torch.onnx._internal.exporter import _registration
+
+    from backends.onnx import torch_export
+
+    def from_torchlib(cls, torchlib_registry=None):
+        raise AssertionError("never called here")
+
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(from_torchlib))
+    assert torch_export._original_from_torchlib() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(torch_export, "_ORIGINAL_FROM_TORCHLIB", None)
+    before = torch_export._torchlib_registry.cache_info()
+    exported = torch_export.export_training_step(_CrossEntropyHead(), (torch.randn(6, 8), torch.randint(0, 16, (6,))),
+                                                 ["x", "targets"])
+    assert torch_export._torchlib_registry.cache_info() == before
+    assert max_relative_error(run(exported.model, exported.feeds), exported.reference)[0] < 1e-4

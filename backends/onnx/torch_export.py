@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import json
 import logging
 import traceback
@@ -213,18 +214,19 @@ def _attention_in_matmuls(query, key, value, attn_mask=None, dropout_p=0.0, is_c
 
 
 @functools.cache
-def _torchlib_registry(opset_version: int):
+def _torchlib_registry(opset_version: int | None):
     from torch.onnx._internal.exporter import _registration
 
-    return _ORIGINAL_FROM_TORCHLIB.__func__(_registration.ONNXRegistry, opset_version)
+    build = _ORIGINAL_FROM_TORCHLIB.__func__
+    if opset_version is None:
+        return build(_registration.ONNXRegistry)
+    return build(_registration.ONNXRegistry, opset_version=opset_version)
 
 
 def _registry_copy(cls, opset_version=None):
     """A copy of the registry built for `opset_version`, its lists of functions copied too: the
     export registers its custom translations into the copy, never into the one kept."""
-    from torch.onnx._internal.exporter import _constants
-
-    built = _torchlib_registry(_constants.TORCHLIB_OPSET if opset_version is None else opset_version)
+    built = _torchlib_registry(opset_version)
     registry = copy.copy(built)
     registry.functions = {target: list(decomps) for target, decomps in built.functions.items()}
     return registry
@@ -233,11 +235,11 @@ def _registry_copy(cls, opset_version=None):
 def _registry_built_once():
     """torch.onnx.export builds its registry of ATen-to-ONNX functions anew on every call, and
     onnxscript parses each function's Python source again for its signature: 1.2 s of a 2.8 s
-    export of a one-layer GPT step on this machine's CPU, the same work every time (tests/ run a
-    few hundred exports). The registry depends on nothing but its opset version, so it is built
-    once a process and each export is handed a copy. Where this torch names its registry
-    otherwise (`ONNXRegistry.from_torchlib`, torch >= 2.6, and its `functions`), each export
-    builds its own, as torch does."""
+    export of a one-layer GPT step on this machine's CPU, the same work every time
+    (tests/test_onnx_chunk.py alone exports 47 steps). The registry depends on nothing but its
+    opset version, so it is built once a process and each export is handed a copy. Where this
+    torch's `ONNXRegistry.from_torchlib` is not the classmethod of an opset version that
+    `_original_from_torchlib` checks for, each export builds its own, as torch does."""
     if _ORIGINAL_FROM_TORCHLIB is None:
         return contextlib.nullcontext()
     from torch.onnx._internal.exporter import _registration
@@ -246,13 +248,17 @@ def _registry_built_once():
 
 
 def _original_from_torchlib():
+    """torch's `ONNXRegistry.from_torchlib`, where it is the classmethod of an opset version this
+    module knows how to stand in for (older torch took a torchlib registry instead); else None."""
     try:
         from torch.onnx._internal.exporter import _registration
 
         original = _registration.ONNXRegistry.__dict__["from_torchlib"]
-        probe = _registration.ONNXRegistry()
-        return original if isinstance(original, classmethod) and isinstance(probe.functions, dict) else None
-    except (ImportError, AttributeError, KeyError):
+        if not isinstance(original, classmethod) or \
+                list(inspect.signature(original.__func__).parameters) != ["cls", "opset_version"]:
+            return None
+        return original if isinstance(_registration.ONNXRegistry().functions, dict) else None
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
         return None
 
 
