@@ -55,17 +55,16 @@ def pytest_configure(config):
         settings.load_profile(name)
 
 
-# Inductor's C++ kernels are compiled vectorized (AVX-512 here) for the zoo's random mixes and
+# Inductor's C++ kernels are compiled vectorized (AVX-512 here) for the users' models of the zoo and
 # transformers' GPT-2, as users run them; every other test compiles them scalar (`cpp.simdlen` 1,
-# which matches no vector width: Inductor's own switch for scalar kernels, read per compile), the
-# zoo's fixed variants too (bench/zoo.py runs those vectorized). remat hands Inductor a graph;
-# whether each kernel is then written with vector instructions is Inductor's choice below that
-# graph, and the tests of remat's plans, chunks, estimates and numbers hold either way. A
-# vectorized kernel is dearer to compile: g++ instantiates the header's AVX-512 templates in every
-# one (0.38 s of CPU in a trivial kernel that takes 0.5 s, against 0.17 s scalar).
+# which matches no vector width: Inductor's own switch for scalar kernels, read per compile). remat
+# hands Inductor a graph; whether each kernel is then written with vector instructions is Inductor's
+# choice below that graph, and the tests of remat's plans, chunks, estimates and numbers hold
+# either way. A vectorized kernel is dearer to compile: g++ instantiates the header's AVX-512
+# templates in every one (0.38 s of CPU in a trivial kernel that takes 0.5 s, against 0.17 s scalar).
 # test_fx_backend.py with test_fx_dropout.py, no Inductor cache: 142.2 s of CPU vectorized, 89.3 and
 # 94.2 s scalar. The processes a test spawns (test_data_parallel.py's ranks) compile vectorized.
-VECTORIZED = ("test_zoo_random.py", "test_hf_models.py")
+VECTORIZED = ("test_zoo.py", "test_zoo_random.py", "test_hf_models.py")
 
 
 @pytest.fixture(autouse=True)
