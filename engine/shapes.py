@@ -6,8 +6,7 @@ the graph's example values for its dims.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import functools
-from functools import reduce
+from functools import lru_cache, reduce
 import numbers
 import operator
 import re
@@ -65,7 +64,7 @@ def simplify(expr: Dim) -> Dim:
     return expr
 
 
-@functools.lru_cache(maxsize=8192)
+@lru_cache(maxsize=8192)
 def _simplified(expr: sympy.Expr) -> Dim:
     """Memoized: a peak simulation asks for the bytes of every value at every step, and a dynamic
     graph's are the same few formulas. tests/test_onnx_chunk.py asked for 249,158 of them (13.8 s

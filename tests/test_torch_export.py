@@ -655,6 +655,10 @@ class _CrossEntropyHead(torch.nn.Module):
     def forward(self, x, targets):
         return torch.nn.functional.cross_entropy(self.head(x), targets)
 
+    @staticmethod
+    def example_inputs():
+        return torch.randn(6, 8), torch.randint(0, 16, (6,))
+
 
 def test_torch_onnx_builds_its_op_registry_once_a_process_and_each_export_registers_into_a_copy():
     """torch.onnx.export would rebuild its ATen-to-ONNX registry on every call (1.2 s of a 2.8 s
@@ -665,10 +669,9 @@ def test_torch_onnx_builds_its_op_registry_once_a_process_and_each_export_regist
 
     assert torch_export._ORIGINAL_FROM_TORCHLIB is not None, "this torch's ONNXRegistry is not recognized"
     before = torch_export._torchlib_registry.cache_info()
-    inputs = (torch.randn(6, 8), torch.randint(0, 16, (6,)))
     for _ in range(2):
-        exported = torch_export.export_training_step(_CrossEntropyHead(), inputs, ["x", "targets"],
-                                                     exporter="aot-joint")
+        exported = torch_export.export_training_step(_CrossEntropyHead(), _CrossEntropyHead.example_inputs(),
+                                                     ["x", "targets"], exporter="aot-joint")
         # the mean loss's translation is in the copy: without it the gradients are 6x (the tokens)
         assert max_relative_error(run(exported.model, exported.feeds), exported.reference)[0] < 1e-4
     after = torch_export._torchlib_registry.cache_info()
@@ -694,7 +697,7 @@ def test_where_torchs_registry_is_another_shape_each_export_builds_its_own(monke
     monkeypatch.undo()
     monkeypatch.setattr(torch_export, "_ORIGINAL_FROM_TORCHLIB", None)
     before = torch_export._torchlib_registry.cache_info()
-    exported = torch_export.export_training_step(_CrossEntropyHead(), (torch.randn(6, 8), torch.randint(0, 16, (6,))),
+    exported = torch_export.export_training_step(_CrossEntropyHead(), _CrossEntropyHead.example_inputs(),
                                                  ["x", "targets"])
     assert torch_export._torchlib_registry.cache_info() == before
     assert max_relative_error(run(exported.model, exported.feeds), exported.reference)[0] < 1e-4
