@@ -43,6 +43,8 @@ class Builder(Protocol):
     """What a backend supplies to `rewrite`."""
 
     built_as: str      # how a chunk region is built, for the report ("ONNX Loops")
+    calls: ChunkCalls  # the nodes that run each chunk region's slices; `simulate` has it observe
+                       # each simulation, so `calls.peak` says where the last one peaked
 
     def start(self) -> None:
         """Begin an attempt from the graph as given (an earlier attempt's edits dropped)."""
@@ -60,11 +62,8 @@ class Builder(Protocol):
     def simulate(self, graph: Graph) -> int:
         """The peak the backend will reach running its working graph, of which `graph` is the
         IR (`current()`'s), in bytes (its order, its allocator): what a budget is checked
-        against. A backend may simulate its own graph rather than the IR (fx does)."""
-
-    def slice_peak(self) -> SlicePeak | None:
-        """After `simulate`: where the simulated peak fell on a chunk region's slice call, that
-        region and the highest point elsewhere (`ChunkCalls` keeps what a backend needs)."""
+        against. A backend may simulate its own graph rather than the IR (fx does), and has
+        `calls` observe the simulation."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +349,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             if slack <= target // 50:
                 break               # the budget is nearly full: a larger model budget would overshoot
             step = model + slack
-        elif fresh and (at := builder.slice_peak()) is not None \
+        elif fresh and (at := builder.calls.peak) is not None \
                 and (finer := _finer_slices(program, at.site, done.choice)) is not None:
             # The simulation peaked on a chunk region's slice call: its slice is the step's highest
             # point. The additive model underrates a slice there (a body holds a slice's values

@@ -433,10 +433,10 @@ def test_on_torch_the_simulated_peak_is_traced_to_the_chunk_region_it_falls_in()
     site = region.match.site
     assert len(calls) == 4 and {builder.calls.sites[name] for name in calls} == {site}
     peak = builder.simulate(done.result.graph)
-    at = builder.slice_peak()
+    at = builder.calls.peak
     assert at is not None and at.site == site and 0 < at.elsewhere < peak
     builder.start()
-    assert builder.slice_peak() is None and not builder.calls.sites
+    assert builder.calls.peak is None and not builder.calls.sites
 
 
 def test_on_onnx_the_simulated_peak_is_traced_to_the_loop_it_falls_in():
@@ -455,5 +455,5 @@ def test_on_onnx_the_simulated_peak_is_traced_to_the_loop_it_falls_in():
     site = Site("chunk_linear_cross_entropy", "n_logits_4")
     assert loops and {builder.calls.sites[name] for name in loops} == {site}
     peak = builder.simulate(done.result.graph)
-    at = builder.slice_peak()
+    at = builder.calls.peak
     assert at is not None and at.site == site and 0 < at.elsewhere < peak

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dsl.loader import load_rules
 from engine.apply import Result
 from engine.collector import collector_paused
-from engine.driver import ChunkCalls, Rewrite, SlicePeak, rewrite
+from engine.driver import ChunkCalls, Rewrite, rewrite
 from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
@@ -158,9 +158,6 @@ class FxBuilder:
             estimate = simulate_peak(graph, alias_ops=self.views)
         self.calls.observe(estimate)
         return estimate.peak_bytes or 0
-
-    def slice_peak(self) -> SlicePeak | None:
-        return self.calls.peak
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept)."""

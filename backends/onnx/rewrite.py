@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from engine.apply import Result
-from engine.driver import ChunkCalls, Rewrite, SlicePeak, rewrite
+from engine.driver import ChunkCalls, Rewrite, rewrite
 from engine.failures import PlanFailure, resolve_strict
 from engine.ir import Graph
 from engine.patterns import RuleSet
@@ -50,9 +50,6 @@ class OnnxBuilder:
         estimate = estimated_ort_peak(graph)
         self.calls.observe(estimate)
         return estimate.peak_bytes or 0
-
-    def slice_peak(self) -> SlicePeak | None:
-        return self.calls.peak
 
 
 def apply_rules(graph: Graph, rules: RuleSet, config: str | list[ConfigEntry] | None = None,
