@@ -189,6 +189,29 @@ class Graph:
                 for v in captured_values(sub):
                     v.users.append(node)
 
+    def relink(self, values: Iterable[Value | None]) -> None:
+        """`link()` for `values` alone: their producers and users recomputed, in node order as
+        `link()` has them, after an edit that changed only which nodes read or write these (the
+        reads and writes of every node added or removed, and what an input replaced read and
+        reads now). One pass over the node list, where `link()` also walks every value: the
+        ORT view's fusions edit a graph of thousands of nodes hundreds of times. A value no
+        node reads or writes any more is left with neither (`link()` leaves it as it was)."""
+        affected = {id(v): v for v in values if v is not None}
+        for v in affected.values():
+            v.producer = None
+            v.users = []
+        for node in self.nodes:
+            for out in node.outputs:
+                if id(out) in affected:
+                    out.producer = node
+            for v in node.inputs:
+                if v is not None and id(v) in affected:
+                    v.users.append(node)
+            for sub in node.subgraphs.values():
+                for v in captured_values(sub):
+                    if id(v) in affected:
+                        v.users.append(node)
+
     def walk(self) -> Iterator[Node]:
         """Every node, those of the subgraphs (a Loop's body) after the node that holds them."""
         for node in self.nodes:

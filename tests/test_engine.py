@@ -55,6 +55,36 @@ def test_peak_estimate_counts_views_as_aliases():
     assert estimate_peak(gelu_training_graph(examples={})).peak_bytes is None
 
 
+def _links(graph: Graph) -> dict[str, tuple]:
+    return {v.name: (v.producer, [id(u) for u in v.users]) for v in graph.values()}
+
+
+def test_relink_after_an_edit_equals_a_full_link():
+    """`Graph.relink(values)` gives the values an edit touched the producers and users, in node
+    order and with a node once per read, that `link()` gives them; a subgraph's reads count."""
+    g = gelu_training_graph()
+    erf = next(n for n in g.nodes if n.op == "Erf")
+    h, dgelu = erf.inputs[0], erf.outputs[0]
+    # An Identity between h and its GELU, and Erf replaced by a node that reads h twice and
+    # holds a subgraph reading h and the loss.
+    gelu = next(n for n in g.nodes if n.op == "Gelu")
+    hid = Value("h_id", h.dtype, h.shape)
+    ident = Node("Identity", [h], [hid], {}, "ident")
+    loss = g.outputs[0]
+    body = Graph([Node("Add", [h, loss], [Value("inner", h.dtype, h.shape)], {}, "inner_add")],
+                 outputs=[])
+    twice = Node("Mul", [h, h], [dgelu], {}, "twice", subgraphs={"body": body})
+    g.nodes[g.nodes.index(gelu):g.nodes.index(gelu)] = [ident]
+    gelu.inputs = [hid]
+    g.nodes[g.nodes.index(erf)] = twice
+    g.relink([h, hid, dgelu, loss, *gelu.inputs])
+    got = _links(g)
+    g.link()
+    assert got == _links(g)
+    assert [u.name for u in h.users] == ["ident", "twice", "twice", "twice"]   # two inputs, a capture
+    assert loss.users[-1] is twice and dgelu.producer is twice and erf not in dgelu.users
+
+
 def test_verify_names_the_node():
     x = Value("x", shape=(1,))
     ghost = Value("ghost")

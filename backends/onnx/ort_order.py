@@ -280,18 +280,25 @@ def _drop(graph: Graph, node: Node, keep: Value, gone: Value) -> None:
     output cannot be renamed, so then `keep`'s producer writes `gone` instead, if `keep` has
     no other reader and is neither an input nor an output (ORT's identity elimination)."""
     outputs = {id(v) for v in graph.outputs}
+    touched = [*node.inputs, *node.outputs, keep, gone]
     if id(gone) in outputs:
         p = keep.producer
         if p is None or len(keep.users) != 1 or id(keep) in outputs or keep.is_input:
             return
         p.outputs = [gone if o is keep else o for o in p.outputs]
         graph.nodes = [n for n in graph.nodes if n is not node]
-        graph.link()
+        graph.relink(touched)
         return
     graph.nodes = [n for n in graph.nodes if n is not node]
     for user in list(gone.users):
         user.replace_input(gone, keep)
-    graph.link()
+    graph.relink(touched)
+
+
+def _touched(*nodes: Node) -> list[Value]:
+    """What `nodes` read and write: the values whose producers and users change when they are
+    added to a graph or taken out of it (`Graph.relink`)."""
+    return [v for n in nodes for v in (*n.reads(), *n.outputs)]
 
 
 def _ort_static(v: Value, unknown: dict[int, Dims]) -> bool:
@@ -326,7 +333,7 @@ def _eliminate(graph: Graph, unknown: dict[int, Dims]) -> None:
                 node.attrs["perm"] = [p1[p] for p in p2]
                 if len(src.users) == 1 and all(v is not src for v in graph.outputs):
                     graph.nodes = [n for n in graph.nodes if n is not inner]
-                graph.link()
+                graph.relink([src, *inner.inputs, *inner.outputs])
                 if node.attrs["perm"] == list(range(len(p2))):
                     _drop(graph, node, node.inputs[0], out)
                 changed = True
@@ -413,7 +420,7 @@ def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int, unkno
             for f in fused:
                 index[id(f)] = next_index
                 next_index += 1
-            graph.link()
+            graph.relink(_touched(node, mm, *fused))
             break
     return next_index
 
@@ -436,7 +443,7 @@ def _castlike_to_cast(graph: Graph, index: dict[int, int], next_index: int) -> i
         graph.nodes = [cast if n is node else n for n in graph.nodes]
         index[id(cast)] = next_index
         next_index += 1
-        graph.link()
+        graph.relink(_touched(node))
     return next_index
 
 
@@ -484,11 +491,11 @@ def _put_fused(graph: Graph, index: dict[int, int], next_index: int, node: Node,
     outputs = {id(v) for v in graph.outputs}
     dropped = {id(n) for n in gone}
     graph.nodes = [fused if n is node else n for n in graph.nodes if id(n) not in dropped]
-    graph.link()
-    unread = {id(t) for t in folded if not any(o.users or id(o) in outputs for o in t.outputs)}
+    graph.relink(_touched(node, fused, *gone))
+    unread = [t for t in folded if not any(o.users or id(o) in outputs for o in t.outputs)]
     if unread:
-        graph.nodes = [n for n in graph.nodes if id(n) not in unread]
-        graph.link()
+        graph.nodes = [n for n in graph.nodes if all(n is not t for t in unread)]
+        graph.relink(_touched(*unread))
     index[id(fused)] = next_index
     return next_index + 1
 
