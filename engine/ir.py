@@ -14,9 +14,11 @@ engine never reads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
+
+import sympy
 
 from .dtypes import DType
 from .errors import GraphError
@@ -212,6 +214,20 @@ class Graph:
                     if id(v) in affected:
                         v.users.append(node)
 
+    def state_key(self) -> tuple:
+        """A key that differs whenever the graph does: its lists, and every field of its nodes
+        and values (by identity for nodes, values, constant payloads and what a `meta` holds),
+        in its subgraphs too. For keeping an analysis of a graph that may be edited between two
+        asks for it (ort_schedule's leaf placements, estimated when the planner simulates the
+        rewritten graph and again when it is written)."""
+        ids = lambda vs: tuple(id(v) if v is not None else None for v in vs)   # noqa: E731
+        values = tuple((id(v), *(_frozen(getattr(v, f)) for f in _VALUE_STATE)) for v in self.values())
+        nodes = tuple((id(n), ids(n.inputs), ids(n.outputs), *(_frozen(getattr(n, f)) for f in _NODE_STATE),
+                       tuple((k, sub.state_key()) for k, sub in n.subgraphs.items()))
+                      for n in self.nodes)
+        return (ids(self.inputs), ids(self.outputs), ids(self.initializers), values, nodes,
+                *(_frozen(getattr(self, f)) for f in _GRAPH_STATE))
+
     def walk(self) -> Iterator[Node]:
         """Every node, those of the subgraphs (a Loop's body) after the node that holds them."""
         for node in self.nodes:
@@ -309,6 +325,26 @@ class Graph:
         from .printer import format_graph
 
         return format_graph(self)
+
+
+_VALUE_STATE = tuple(f.name for f in fields(Value) if f.name not in ("producer", "users"))
+_NODE_STATE = tuple(f.name for f in fields(Node) if f.name not in ("inputs", "outputs", "subgraphs"))
+_GRAPH_STATE = tuple(f.name for f in fields(Graph)
+                     if f.name not in ("nodes", "inputs", "outputs", "initializers", "_names"))
+
+
+def _frozen(x: Any) -> Any:
+    """`x` as a hashable key (Graph.state_key): scalars, enums and sizes as they are, lists,
+    tuples and dicts by their items, anything else (an array, a proto, a node) by identity."""
+    if x is None or isinstance(x, (bool, int, float, str, Enum)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(e) for e in x)
+    if isinstance(x, dict):
+        return tuple((k, _frozen(v)) for k, v in x.items())
+    if isinstance(x, sympy.Basic):
+        return x
+    return ("id", id(x))
 
 
 def _chain(*iterables: Iterable[Value]) -> Iterator[Value]:

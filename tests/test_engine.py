@@ -85,6 +85,25 @@ def test_relink_after_an_edit_equals_a_full_link():
     assert loss.users[-1] is twice and dgelu.producer is twice and erf not in dgelu.users
 
 
+def test_state_key_changes_with_any_edit_and_only_then():
+    g = gelu_training_graph()
+    body = Graph([Node("Relu", [g.inputs[0]], [Value("inner", g.inputs[0].dtype, g.inputs[0].shape)], {}, "r")])
+    loop = Node("Loop", [], [], {"perm": [0, 1]}, "loop", subgraphs={"body": body})
+    g.nodes.append(loop)
+    key = g.state_key()
+    assert g.state_key() == key
+    edits = [lambda: loop.attrs["perm"].append(2),                      # a list attribute, in place
+             lambda: setattr(g.values().__next__(), "shape", (7, 7)),    # a value's shape
+             lambda: g.nodes[1].inputs.__setitem__(0, g.inputs[0]),      # an input replaced
+             lambda: setattr(body.nodes[0], "op", "Gelu"),               # a subgraph's node
+             lambda: setattr(g.nodes[0], "plan", "recompute"),           # any field of a node
+             lambda: g.nodes.reverse()]                                  # the order
+    for edit in edits:
+        edit()
+        assert g.state_key() != key
+        key = g.state_key()
+
+
 def test_verify_names_the_node():
     x = Value("x", shape=(1,))
     ghost = Value("ghost")

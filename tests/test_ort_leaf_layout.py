@@ -93,6 +93,12 @@ def test_a_mixture_of_experts_round_trip_keeps_the_original_peak(batched_experts
     assert measured < 1.05 * original, (measured / 2**20, original / 2**20)
     assert abs(schedule.estimate.peak_bytes / measured - 1) < 0.05
     assert estimated_ort_peak(graph).peak_bytes == schedule.estimate.peak_bytes
+    # Kept while the graph is as it was (the estimate and the export above read it); made anew
+    # once it is edited.
+    assert schedule_for_onnxruntime(graph) is schedule
+    graph.nodes[0].name += "_renamed"
+    again = schedule_for_onnxruntime(graph)
+    assert again is not schedule and again.estimate.peak_bytes == schedule.estimate.peak_bytes
 
 
 def test_a_mixture_of_experts_rewrite_recomputes_the_gathered_expert_weights(batched_experts, batched_experts_peak):

@@ -39,6 +39,7 @@ bitwise equal.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -203,6 +204,13 @@ def leaf_layouts(graph: Graph) -> Iterator[tuple[LeafLayout, Graph]]:
         yield name, g
 
 
+# The last estimated schedule of each graph, with the graph's state it was made for: the budget
+# planner simulates the rewritten graph (estimated_ort_peak) and `remat apply` then writes that
+# same graph (export_model); both read the schedule of 2 to 4 estimates (2.5 of `remat apply`'s
+# 7.1 s on the GPT step). A graph edited in between has another state_key and is scheduled anew.
+_SCHEDULED: weakref.WeakKeyDictionary[Graph, tuple[tuple, OrtSchedule]] = weakref.WeakKeyDictionary()
+
+
 def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate: bool = True) -> OrtSchedule:
     """A copy of `graph`, same values and results, ordered for ONNX Runtime's depth-first walk:
     of the two leaf placements (`leaf_layouts`), the one whose estimated peak
@@ -223,7 +231,23 @@ def schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate:
     inputs. Run right after its layer, it lives beside the earlier layers' gathered expert
     weights (Qwen3-MoE, 2 layers: 1369 MiB); run at the end, after them (892 MiB, the original
     export's 890). A failure to estimate is remat's bug: raised when strict (REMAT_STRICT),
-    else warned once and the leaves written last."""
+    else warned once and the leaves written last.
+
+    Kept for the graph as it is (`_SCHEDULED`): asked again while the graph is not edited, the
+    same OrtSchedule (whose `graph` and `written` are not to be edited either)."""
+    if not estimate:
+        return _schedule_for_onnxruntime(graph, strict, estimate)
+    key = (graph.state_key(), resolve_strict(strict))
+    kept = _SCHEDULED.get(graph)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    schedule = _schedule_for_onnxruntime(graph, strict, estimate)
+    _SCHEDULED[graph] = (key, schedule)
+    return schedule
+
+
+def _schedule_for_onnxruntime(graph: Graph, strict: bool | None = None, estimate: bool = True) -> OrtSchedule:
+    """`schedule_for_onnxruntime`, made anew."""
     from .exporter import ExportBug
     from .ort_order import estimated_written_peak     # ort_order reads graphs through the exporter
 
