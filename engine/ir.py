@@ -191,18 +191,26 @@ class Graph:
                 for v in captured_values(sub):
                     v.users.append(node)
 
-    def relink(self, values: Iterable[Value | None]) -> None:
-        """`link()` for `values` alone: their producers and users recomputed, in node order as
-        `link()` has them, after an edit that changed only which nodes read or write these (the
-        reads and writes of every node added or removed, and what an input replaced read and
-        reads now). One pass over the node list, where `link()` also walks every value: the
-        ORT view's fusions edit a graph of thousands of nodes hundreds of times. A value no
-        node reads or writes any more is left with neither (`link()` leaves it as it was)."""
+    def relink(self, values: Iterable[Value | None], added: Iterable[Node] = ()) -> None:
+        """`link()` for `values` alone: their producers and users recomputed, in node order and
+        once per read as `link()` has them, after an edit that changed only which nodes read or
+        write these: the reads and writes of every node added or removed, and what an input
+        replaced read and reads now. `added`: the nodes the edit put in the graph; every other
+        node that reads or writes one of `values` now must have read or written one of them
+        before. The ORT view's fusions edit graphs of thousands of nodes hundreds of times,
+        where `link()` walks every value each time. A value no node reads or writes any more
+        is left with neither (`link()` leaves it as it was)."""
         affected = {id(v): v for v in values if v is not None}
+        candidates = {id(n): n for n in added}
+        for v in affected.values():
+            if v.producer is not None:
+                candidates[id(v.producer)] = v.producer
+            candidates.update((id(u), u) for u in v.users)
+        position = {id(n): i for i, n in enumerate(self.nodes)}
         for v in affected.values():
             v.producer = None
             v.users = []
-        for node in self.nodes:
+        for node in sorted((n for n in candidates.values() if id(n) in position), key=lambda n: position[id(n)]):
             for out in node.outputs:
                 if id(out) in affected:
                     out.producer = node

@@ -244,6 +244,9 @@ def _fold_constants(graph: Graph, outer_constant: set[int], outer_unknown: dict 
 
 
 def _rewrite(graph: Graph, view: OrtView, outer_constant: set[int], outer_unknown: dict | None = None) -> None:
+    # The values this graph reads from an enclosing one list the enclosing graph's readers until
+    # a link here: the passes' relinks start from each value's readers in this graph.
+    graph.link()
     index = ort_indices(graph)
     next_index = len(index)
     constant, unknown = _fold_constants(graph, outer_constant, outer_unknown, view.symbols, view.declared)
@@ -420,7 +423,7 @@ def _fuse_matmul_add(graph: Graph, index: dict[int, int], next_index: int, unkno
             for f in fused:
                 index[id(f)] = next_index
                 next_index += 1
-            graph.relink(_touched(node, mm, *fused))
+            graph.relink(_touched(node, mm, *fused), added=fused)
             break
     return next_index
 
@@ -443,7 +446,7 @@ def _castlike_to_cast(graph: Graph, index: dict[int, int], next_index: int) -> i
         graph.nodes = [cast if n is node else n for n in graph.nodes]
         index[id(cast)] = next_index
         next_index += 1
-        graph.relink(_touched(node))
+        graph.relink(_touched(node), added=[cast])
     return next_index
 
 
@@ -491,7 +494,7 @@ def _put_fused(graph: Graph, index: dict[int, int], next_index: int, node: Node,
     outputs = {id(v) for v in graph.outputs}
     dropped = {id(n) for n in gone}
     graph.nodes = [fused if n is node else n for n in graph.nodes if id(n) not in dropped]
-    graph.relink(_touched(node, fused, *gone))
+    graph.relink(_touched(node, fused, *gone), added=[fused])
     unread = [t for t in folded if not any(o.users or id(o) in outputs for o in t.outputs)]
     if unread:
         graph.nodes = [n for n in graph.nodes if all(n is not t for t in unread)]
