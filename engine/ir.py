@@ -13,7 +13,7 @@ engine never reads.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
@@ -197,7 +197,8 @@ class Graph:
         write these: the reads and writes of every node added or removed, and what an input
         replaced read and reads now. `added`: the nodes the edit put in the graph; every other
         node that reads or writes one of `values` now must have read or written one of them
-        before. The ORT view's fusions edit graphs of thousands of nodes hundreds of times,
+        before, as the values' producers and users said (linked before the edit: a subgraph's
+        own link() takes the outer values it reads as its own). The ORT view's fusions edit graphs of thousands of nodes hundreds of times,
         where `link()` walks every value each time. A value no node reads or writes any more
         is left with neither (`link()` leaves it as it was)."""
         affected = {id(v): v for v in values if v is not None}
@@ -221,6 +222,26 @@ class Graph:
                 for v in captured_values(sub):
                     if id(v) in affected:
                         v.users.append(node)
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A way back to the graph as it is now: the function returned restores the lists of
+        nodes, inputs, outputs and initializers, each node's inputs (in subgraphs too, and their
+        outputs), and links again. For an edit that must leave the graph as it was when it fails
+        part way (a chunk region's build, which the driver then runs whole)."""
+        lists = (list(self.nodes), list(self.inputs), list(self.outputs), list(self.initializers))
+        reads = [(n, list(n.inputs)) for n in self.walk()]
+        subs = [(sub, list(sub.outputs)) for n in self.walk() for sub in n.subgraphs.values()]
+
+        def restore() -> None:
+            self.nodes, self.inputs, self.outputs, self.initializers = (list(x) for x in lists)
+            for node, inputs in reads:
+                node.inputs = inputs
+            for sub, outputs in reversed(subs):      # the innermost first: a link() clears what
+                sub.outputs = outputs                   # a graph reads from the one around it
+                sub.link()
+            self.link()
+
+        return restore
 
     def state_key(self) -> tuple:
         """A key that differs whenever the graph does: its lists, and every field of its nodes

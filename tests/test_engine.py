@@ -74,10 +74,11 @@ def test_relink_after_an_edit_equals_a_full_link():
     body = Graph([Node("Add", [h, loss], [Value("inner", h.dtype, h.shape)], {}, "inner_add")],
                  outputs=[])
     twice = Node("Mul", [h, h], [dgelu], {}, "twice", subgraphs={"body": body})
+    g.link()            # the body's own link() took h and the loss as its own: linked before the edit
     g.nodes[g.nodes.index(gelu):g.nodes.index(gelu)] = [ident]
     gelu.inputs = [hid]
     g.nodes[g.nodes.index(erf)] = twice
-    g.relink([h, hid, dgelu, loss, *gelu.inputs])
+    g.relink([h, hid, dgelu, loss, *gelu.inputs], added=[ident, twice])
     got = _links(g)
     g.link()
     assert got == _links(g)

@@ -211,21 +211,48 @@ def test_unrolled_slices_match_torch_too():
     assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
 
 
-def test_a_region_the_onnx_builder_cannot_build_runs_whole(monkeypatch):
+class _TwoHeads(nn.Module):
+    """Two vocabulary heads on one hidden state, their losses summed: two chunk regions."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.a, self.b = Head(d, vocab, "mean"), Head(d, vocab, "mean")
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.a(x, labels) + self.b(x, labels)
+
+
+@pytest.mark.parametrize("fails", ["before editing", "after editing"])
+def test_a_region_the_onnx_builder_cannot_build_runs_whole(monkeypatch, fails):
+    """The first of two regions refused while its Loops are made, or once they are in the graph
+    (the sort finds a cycle): the graph is as it was, that region runs whole and the other is
+    built. Left half edited, the other region was built on a broken graph (a hand-written
+    softmax's attention region, then the loss's, both refused)."""
     import backends.onnx.chunk as onnx_chunk
     from engine.errors import GraphError
 
-    def unbuildable(phase, region, names, unrolled=False):
-        raise GraphError(f"{region.nodes[0].name} cannot be built")
+    calls = []
 
-    monkeypatch.setattr(onnx_chunk, "_phase_nodes", unbuildable)
+    def failing_first(real):
+        def call(*args, **kwargs):
+            calls.append(real)
+            if len(calls) == 1:
+                if real is onnx_chunk.sort_near:
+                    assert any(n.op == "Loop" for n in args[0].nodes)     # the graph is being edited
+                raise GraphError("this region cannot be built")
+            return real(*args, **kwargs)
+        return call
+
+    target = "_phase_nodes" if fails == "before editing" else "sort_near"
+    monkeypatch.setattr(onnx_chunk, target, failing_first(getattr(onnx_chunk, target)))
     torch.manual_seed(0)
-    model = Head(16, 200, "mean")
-    exported, rewrite, outputs = _chunked(model, _inputs(64, 16, 200, 2), CHUNK_RULE, 4)
-    assert rewrite.chunked == 0 and not any(n.op == "Loop" for n in rewrite.graph.nodes)
+    exported, rewrite, outputs = _chunked(_TwoHeads(16, 200), _inputs(64, 16, 200, 2), CHUNK_RULE, 4)
+    assert rewrite.chunked == 1
     [failure] = rewrite.not_built
     assert failure.startswith("chunk_head at ") and "cannot be built" in failure, failure
     assert "not built: chunk_head" in rewrite.report()
+    assert [n.op for n in rewrite.graph.nodes].count("Loop") == 1      # one region's 4 slices of 16
+    assert _largest_outside_loops(rewrite.graph) == 64 * 200           # the other's logits, whole
     assert max_relative_error(outputs, exported.reference)[0] <= 1e-4
 
 

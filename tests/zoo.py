@@ -2,7 +2,8 @@
 
 Every model's forward returns its scalar loss (or nanoGPT's (logits, loss)). `Variant` holds
 orthogonal switches: how the attention scores are scaled (a Python float, a tensor, q
-pre-scaled, einsum, baddbmm, SDPA, nn.MultiheadAttention) and masked, the norm, the MLP,
+pre-scaled, einsum, baddbmm, SDPA, nn.MultiheadAttention) and masked, the softmax (the module,
+or written out with amax), the norm, the MLP,
 grouped-query heads, rotary embeddings, biases, Dropout(0.0), in-place ops, tied embeddings,
 which parameters train (all, LoRA adapters, all but the embeddings),
 precision (fp32, explicit bfloat16 with an fp32 softmax, autocast), the loss and how the
@@ -113,13 +114,16 @@ RANDOMS = ("eager",         # Inductor's fallback_random: compiled steps draw ea
 ROPES = ("none",            # no rotary positions
          "rotate_half",     # q * cos + rotate_half(q) * sin (Hugging Face: torch.cat of the halves' negation)
          "complex")         # Meta's Llama code: view_as_complex(q pairs) * freqs_cis (torch.polar), view_as_real
+SOFTMAXES = ("module",       # scores.softmax(-1) (F.softmax)
+             "hand")        # exp(scores - scores.amax(-1, keepdim=True)) over its sum: amax's gradient
+                            # divides by each row's count of maxima, summed from a mask of them
 RETURNS = ("loss",          # forward returns the loss
            "logits_loss")   # nanoGPT: forward returns (logits, loss); the logits are a graph output,
                             # and the step gives them a gradient of their own too (_step)
 
 # Every switch and its values (the defaults first).
 SWITCHES = {"model": MODELS, "layers": (1, 2), "scale": SCALES, "mask": MASKS, "norm": NORMS, "mlp": MLPS,
-            "heads": HEADS, "rope": ROPES, "bias": (True, False), "dropout": (False, True),
+            "heads": HEADS, "rope": ROPES, "softmax": SOFTMAXES, "bias": (True, False), "dropout": (False, True),
             "dropout_p": (0.0, 0.1),
             "inplace": (False, True), "tied": (False, True), "precision": PRECISIONS, "loss": LOSSES,
             "logits": LOGITS, "returns": RETURNS, "random": RANDOMS, "train": TRAINS,
@@ -146,6 +150,7 @@ class Variant:
     mlp: str = "gelu"
     heads: str = "mha"
     rope: str = "none"              # rotary embeddings on q and k (ROPES)
+    softmax: str = "module"         # how the attention's softmax is written (SOFTMAXES)
     bias: bool = True               # biases in the block's Linear layers (LLaMA: none)
     dropout: bool = False           # nn.Dropout(dropout_p) modules and SDPA dropout_p=0.0 (nanoGPT)
     dropout_p: float = 0.0          # the Dropout modules' probability (steps seeded, fallback_random)
@@ -371,11 +376,11 @@ class Attention(nn.Module):
                 causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
                 scores = torch.where(causal, scores, torch.finfo(scores.dtype).min)
             if v_.precision == "fp32":
-                att = scores.softmax(-1)
-            elif v_.precision == "softmax_dtype":
+                att = softmax(scores, v_.softmax)
+            elif v_.precision == "softmax_dtype" and v_.softmax == "module":
                 att = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             else:   # softmax in fp32 under lower precision, cast back
-                att = F.softmax(scores.float(), dim=-1).to(q.dtype)
+                att = softmax(scores.float(), v_.softmax).to(q.dtype)
             if v_.dropout:
                 att = self.attn_drop(att)
             y = att @ v
@@ -383,6 +388,14 @@ class Attention(nn.Module):
         if v_.precision == "bf16":
             y = y.float()
         return self.proj(y)
+
+
+def softmax(scores, how: str):
+    """The attention's softmax over the last dim, as SOFTMAXES says."""
+    if how == "hand":
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+    return scores.softmax(-1)
 
 
 def new_gelu(x):
@@ -956,8 +969,11 @@ FIXED: list[Variant] = [
     V("gpt_scaleq_triu_rmsmodule_gelutanh_tied_flinear_shift_frozen", scale="scale_q", mask="triu",
       norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift", train="frozen_embed",
       expect=CHUNKS + ("recompute_activation",)),
-    V("gpt_gqa_repeat_where_relu_smooth_rope", heads="gqa_repeat", mask="is_causal", mlp="relu",
-      loss="ce_smooth", logits="matmul_t", rope="rotate_half", expect=CHUNKS),
+    # A softmax written out with amax: the attention chunk takes amax's gradient in too (its count
+    # of each row's maxima, summed outside the region from the region's mask of them, was a
+    # cycle: "chunking left a cycle in the fx graph").
+    V("gpt_gqa_repeat_where_relu_smooth_rope_hand_softmax", heads="gqa_repeat", mask="is_causal", mlp="relu",
+      loss="ce_smooth", logits="matmul_t", rope="rotate_half", softmax="hand", expect=CHUNKS),
     V("gpt_gqa_expand_einsum_gelu_hand_count_tied_nobias", heads="gqa_expand", scale="einsum",
       mlp="gelu_hand", loss="ce_count", tied=True, logits="matmul_t", bias=False,
       expect=CHUNKS + ("recompute_elementwise",)),

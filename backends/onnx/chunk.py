@@ -547,6 +547,16 @@ def apply_chunk(graph: Graph, region: ChunkRegion, unrolled: bool = False) -> No
     names = graph.fresh_name
     built = [_phase_nodes(phase, region, graph, unrolled) for phase in region.phases]   # raises before editing
     graph.link()        # a body's own link() cleared the users of the outer values it reads
+    restore = graph.checkpoint()
+    try:
+        _put_in(graph, region, built, names)
+    except Exception:
+        restore()       # the driver runs a region it could not build whole, on the graph as it was
+        raise
+
+
+def _put_in(graph: Graph, region: ChunkRegion, built: list, names: Callable[[str], str]) -> None:
+    """The phases' Loops (or unrolled slices) in the region's place, the graph sorted again."""
     _detach_type_reads(graph, region, names)
     region_ids = {id(n) for n in region.nodes}
     position = graph.node_index()

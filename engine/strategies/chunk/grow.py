@@ -690,15 +690,21 @@ class _Grower:
         """Pull in every input computed from the region's own values (a small value between
         two region nodes, like the log of the softmax's sum), so the region is one step.
         An input computed from them in the backward part is the gradient of the region's
-        output: the region runs in two phases, and those inputs are returned."""
+        output: the region runs in two phases, and those inputs are returned. Unless it is
+        computed from the region's backward values too: that input is between two nodes of the
+        backward phase, and is pulled in (a hand-written softmax's `amax`: its gradient divides
+        by the count of each row's maxima, summed outside from the region's mask of them)."""
+        is_forward = self.ctx.analysis.is_forward
         while True:
             produced = [v.producer for v in self.inputs.values() if v.producer is not None]
-            below = self.index.downstream([o for n in self.region.values() for o in n.outputs],
-                                          until=max((self.position[id(p)] for p in produced), default=-1))
+            until = max((self.position[id(p)] for p in produced), default=-1)
+            below = self.index.downstream([o for n in self.region.values() for o in n.outputs], until=until)
+            below_backward = self.index.downstream(
+                [o for n in self.region.values() if not is_forward(n) for o in n.outputs], until=until)
             cyclic, late = [], []
             for v in self.inputs.values():
                 if id(v) in below:
-                    (cyclic if self.ctx.analysis.is_forward(v.producer) else late).append(v)
+                    (cyclic if is_forward(v.producer) or id(v) in below_backward else late).append(v)
             if late and not self.two_phase:
                 raise _TwoPhases()
             if not cyclic:
