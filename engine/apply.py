@@ -78,6 +78,7 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
         plans.setdefault(key, Plan(region.key, region.plan_type)).occurrences.append(region)
     for p in plans.values():
         p.occurrences.sort(key=lambda r: analysis.position[id(r.match.root)])
+    refusals += [Refusal(m, reason) for m, reason in ctx.longer]
     ordered = sorted(plans.values(), key=lambda p: (p.type, p.key))
     return Planning(graph, enabled, analysis, ordered, refusals, tiers, ctx.failures)
 

@@ -172,6 +172,11 @@ class Graph:
     # The backend promised the eager framework's random numbers (Inductor's `fallback_random`): a
     # chunk region's slices may not draw random numbers of their own, which would be others.
     eager_random: bool = False
+    # The dims whose example is the size the graph was traced at, with no largest size given: the
+    # graph will also run longer inputs (fx: a dynamic dim without a `mark_dynamic` max). A chunk
+    # rule whose size guard fails at the example but holds at longer sizes is refused so
+    # (`Reason.longer_inputs`), and the backend says how to plan for the longest.
+    open_dims: frozenset[str] = frozenset()
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -344,7 +349,7 @@ class Graph:
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
                      dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.slicing,
-                     self.dynamic_reshapes, self.eager_random)
+                     self.dynamic_reshapes, self.eager_random, self.open_dims)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

@@ -22,6 +22,7 @@ from .errors import SourceLocation
 from .failures import PlanFailure, Site, check_injected, injection_active
 from .guards import Unproven, decide, describe, evaluate_expr
 from .ir import Graph, Node, Value
+from .plan_type import PlanType
 from .patterns import (CaptureRef, Expr, NodePattern, OutputRef, Rule, RuleSet, TypePattern,
                        Wildcard)
 from .shapes import format_shape
@@ -57,6 +58,9 @@ class Reason:
     # Of those, a region that needs two sizes equal (formulas) which are equal at the example
     # sizes but written with different symbols: a graph that says they are equal chunks.
     unproven_sizes: tuple[Any, Any] | None = None
+    # A chunk rule's guard false at the example sizes and true at longer ones (Graph.open_dims):
+    # planned at the size the graph was traced at, the graph runs longer inputs unchunked.
+    longer_inputs: bool = False
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}"
@@ -72,6 +76,8 @@ class MatchContext:
         self.excluded = excluded                  # sites dropped after an internal failure
         self.strict = strict                      # raise internal failures instead of collecting them
         self.failures: list[PlanFailure] = []     # internal failures at sites, collected when not strict
+        # Chunk rules whose guards fail at the example sizes and hold at longer ones (longer_inputs)
+        self.longer: list[tuple[Match, Reason]] = []
         self.rules = rules
         self._analysis = analysis
         self._forward_outputs = forward_outputs or graph.forward_outputs
@@ -113,8 +119,8 @@ class MatchContext:
 
 
 class _Fail(Exception):
-    def __init__(self, location: SourceLocation, message: str):
-        self.reason = Reason(location, message)
+    def __init__(self, location: SourceLocation, message: str, longer_inputs: bool = False):
+        self.reason = Reason(location, message, longer_inputs=longer_inputs)
 
     @classmethod
     def again(cls, reason: Reason) -> "_Fail":
@@ -533,7 +539,28 @@ def _check_types_and_guards(rule: Rule, bindings: dict[str, Any], ctx: MatchCont
         except (TypeError, ValueError, ArithmeticError) as exc:   # / 0, a float too large, ...
             raise _Fail(guard.location, f"`{guard.text}` cannot be evaluated: {exc}") from None
         if not value:
-            raise _Fail(guard.location, _guard_failure(guard.expr, bindings, ctx))
+            raise _Fail(guard.location, _guard_failure(guard.expr, bindings, ctx),
+                        longer_inputs=rule.plan_type == PlanType.CHUNK and _holds_when_longer(guard, bindings, ctx))
+
+
+# How much longer than traced an open dim (Graph.open_dims) is tried for a chunk rule's guard.
+LONGER = 8
+
+
+def _holds_when_longer(guard, bindings: dict[str, Any], ctx: "MatchContext") -> bool:
+    """Whether a guard false at the example sizes holds with the graph's open dims LONGER times
+    their examples (the sizes were only those the graph was traced at)."""
+    open_dims = ctx.graph.open_dims
+    if not open_dims or not any(d in open_dims for d in ctx.examples):
+        return False
+    examples = ctx.examples
+    ctx.examples = {d: n * LONGER if d in open_dims else n for d, n in examples.items()}
+    try:        # (`and` and `or` decide each side at the context's examples)
+        return decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text)
+    except Exception:       # unproven, or not evaluable at those sizes: say nothing
+        return False
+    finally:
+        ctx.examples = examples
 
 
 def try_match(rule: Rule, node: Node, ctx: MatchContext) -> Match | Reason:
@@ -579,7 +606,9 @@ def match(graph: Graph, rules: RuleSet, analysis: Analysis | None = None,
                     match_root(node, bindings, matched)
                     if checks:
                         _check_types_and_guards(rule, bindings, ctx)
-                except _Fail:
+                except _Fail as fail:
+                    if fail.reason.longer_inputs:
+                        ctx.longer.append((Match(rule, node, matched, bindings), fail.reason))
                     continue
                 except Exception as exc:    # a bug: drop this site, or raise when strict
                     failure = PlanFailure(Site(rule.name, node.name), "match", exc)

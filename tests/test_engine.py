@@ -105,6 +105,30 @@ def test_state_key_changes_with_any_edit_and_only_then():
         key = g.state_key()
 
 
+def _head_graph(n: int, open_dims: frozenset = frozenset()) -> Graph:
+    b = GraphBuilder({"n": n})
+    h = b.input("h", shape=("n", 256))
+    w = b.input("w", shape=(256, 4096), weight=True)
+    logits = b.op("MatMul", [h, w], shape=("n", 4096), name="logits")
+    g = b.graph([b.op("ReduceSum", [logits], shape=(), name="loss")])
+    g.open_dims = open_dims
+    return g
+
+
+def test_a_chunk_guard_that_holds_at_longer_open_dims_is_a_refusal_that_says_so():
+    """A graph traced at n = 256 (4 MiB of logits) that will run longer inputs (n open): the
+    chunk rule's 16 MiB guard holds at 8x n, so the match is refused with `longer_inputs` for
+    the backend to tell the user; not where n has its largest size, nor where 8x is too short."""
+    rules = compile_text(CHUNK_HEAD_RULE.replace("require bytes(logits) >= 4 * bytes(h)",
+                                                 "require bytes(logits) >= 16 MiB").format(count=4), "head.rule")
+    [refusal] = plan(_head_graph(256, frozenset({"n"})), rules).refusals
+    assert refusal.reason.longer_inputs and "16 MiB" in refusal.reason.message
+    assert not plan(_head_graph(256), rules).refusals
+    assert not plan(_head_graph(64, frozenset({"n"})), rules).refusals       # 8 MiB at 8x
+    [matched] = plan(_head_graph(1024, frozenset({"n"})), rules).refusals    # 16 MiB: it matches (and
+    assert matched.reason.dynamic_sizes and not matched.reason.longer_inputs  # wants static slices here)
+
+
 def test_verify_names_the_node():
     x = Value("x", shape=(1,))
     ghost = Value("ghost")

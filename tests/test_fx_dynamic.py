@@ -135,7 +135,7 @@ def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh
     """Traced at 32 tokens a sequence the logits are 8 MiB, under the loss rule's 16 MiB; a batch of
     128 tokens has 32 MiB of them. Declared with `mark_dynamic(..., max=128)`, the graph is planned
     at 128 (the rules' guards, the slice count, the budget), so the loss chunk is built; with no
-    bound it is planned at the traced size."""
+    bound it is planned at the traced size, and the user hears that longer inputs would chunk."""
     model = gpt(replace(CFG, dropout=0.0))
     remat = fx_backend.backend(strict=True)
     compiled = torch.compile(model, backend=remat)
@@ -147,9 +147,14 @@ def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh
         assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
     [result] = remat.remat_pass.results
     assert list(result.graph.dim_examples.values()) == [largest or 32]
+    longer = [n for n in remat.remat_pass.notices if "would apply to longer inputs" in n]
     if largest is None:
         assert remat.remat_pass.chunked == 0
+        [notice] = longer
+        assert notice.startswith("remat: chunk_linear_cross_entropy not applied") and "= 32" in notice \
+            and "mark_dynamic(tensor, dim, min=2, max=N)" in notice, notice
     else:
+        assert not longer
         [chunking] = remat.remat_pass.chunk_results
         [region] = chunking.chunks
         assert remat.remat_pass.chunked == 1 and region.extent.free_symbols

@@ -234,6 +234,13 @@ UNBOUNDED_BUDGET = ("remat: the budget of {budget} is planned at the sizes this 
                     "remat plans for it: torch._dynamo.mark_dynamic(tensor, dim, min=2, max=N) on the inputs")
 
 
+# A chunk rule's size guard is decided at the sizes the graph was traced at where Dynamo knows no
+# largest size: a dynamic graph traced short runs every longer input unchunked.
+LONGER_INPUTS = ("remat: {rules} not applied: this dynamic graph is planned at the sizes it was traced "
+                 "at ({sizes}), where {why}, and would apply to longer inputs. Give the largest size, and "
+                 "remat plans for it: torch._dynamo.mark_dynamic(tensor, dim, min=2, max=N) on the inputs")
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
                  report: Callable[[str], None] | None = None, strict: bool | None = None,
@@ -362,6 +369,13 @@ class RematPass(CustomGraphPass):
             if static:
                 self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)),
                                                    why=next(iter(static.values()))))
+            longer = {r.match.rule.name: r.reason.message for r in done.chunk_result.planning.refusals
+                      if r.reason.longer_inputs}
+            if longer:
+                graph = done.chunk_result.planning.graph
+                sizes = ", ".join(f"{d} = {n}" for d, n in sorted(graph.dim_examples.items()) if d in graph.open_dims)
+                self._notice(LONGER_INPUTS.format(rules=", ".join(sorted(longer)), sizes=sizes,
+                                                  why=next(iter(longer.values()))))
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:

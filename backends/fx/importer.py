@@ -192,6 +192,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
                            dynamic_reshapes=True, eager_random=bool(inductor_config.fallback_random))
             result.dim_examples = _dim_examples(graph)
+            result.open_dims = frozenset(name for name, (_, largest) in dim_bounds(graph).items() if largest is None)
             result.unite_sizes(size_facts(graph), smallest_sizes(graph))
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
