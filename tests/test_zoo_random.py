@@ -38,6 +38,7 @@ variants = st.builds(
     checkpoint=st.booleans(),
     dynamic=st.booleans(),
     tiers=st.sampled_from([(), ("expensive",)]),
+    softmax=st.sampled_from(zoo.SOFTMAXES),
 )
 
 

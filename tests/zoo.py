@@ -99,7 +99,8 @@ LOSSES = ("ce_mean",        # F.cross_entropy
           "z_loss",         # cross-entropy + 1e-4 * logsumexp(logits).pow(2).mean() (PaLM)
           "z_loss_seq",     # the same, its logsumexp over the (batch, seq, vocab) logits in fp32
           "ce_masked",      # reduction="none", times a mask of the labels to learn, over its sum (SFT)
-          "softcap")        # logits = 30.0 * tanh(logits / 30.0), then cross-entropy (Gemma 2)
+          "softcap",        # logits = 30.0 * tanh(logits / 30.0), then cross-entropy (Gemma 2)
+          "ce_ncl")         # F.cross_entropy(logits.transpose(1, 2), targets): the (N, C, L) form
 LOGITS = ("linear_module",  # nn.Linear head (tied: head.weight = tok.weight)
           "f_linear",       # F.linear(x, W)
           "matmul_t")       # x @ W.T
@@ -517,6 +518,8 @@ class GPT(nn.Module):
             return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
         if kind == "softcap":
             logits = 30.0 * torch.tanh(logits / 30.0)
+        if kind == "ce_ncl":
+            return F.cross_entropy(logits.transpose(1, 2), targets)
         if kind == "z_loss_seq":
             z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)) + 1e-4 * z
@@ -1012,8 +1015,10 @@ FIXED: list[Variant] = [
     # an empty graph (no inputs, no outputs) for the fragment before the break.
     V("gpt_autocast_all_nn_mha_graph_break", precision="autocast_all", scale="nn_mha", graph_break=True,
       expect=("chunk_linear_cross_entropy",)),
-    V("gpt_2layers_checkpoint_expensive_div_float", layers=2, checkpoint=True, scale="div_float",
-      tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
+    # ... with cross-entropy on the (batch, vocab, seq) logits (the (N, C, L) form): the tokens are
+    # two dims apart there, and the loss chunk runs in slices of whole batch rows.
+    V("gpt_2layers_checkpoint_expensive_div_float_ncl", layers=2, checkpoint=True, scale="div_float",
+      loss="ce_ncl", tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
     # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
     # new_empty_strided buffers, written as clones before the rules see the graph
     # (backends/fx/normalize.py), and the attention chunk grows through them. The masked loss of
