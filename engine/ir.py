@@ -203,9 +203,10 @@ class Graph:
         replaced read and reads now. `added`: the nodes the edit put in the graph; every other
         node that reads or writes one of `values` now must have read or written one of them
         before, as the values' producers and users said (linked before the edit: a subgraph's
-        own link() takes the outer values it reads as its own). The ORT view's fusions edit graphs of thousands of nodes hundreds of times,
-        where `link()` walks every value each time. A value no node reads or writes any more
-        is left with neither (`link()` leaves it as it was)."""
+        own link() takes the outer values it reads as its own). The ORT view's fusions edit
+        graphs of thousands of nodes hundreds of times, where `link()` walks every value each
+        time. A value no node reads or writes any more is left with neither (`link()` leaves it
+        as it was)."""
         affected = {id(v): v for v in values if v is not None}
         candidates = {id(n): n for n in added}
         for v in affected.values():
@@ -250,8 +251,8 @@ class Graph:
 
     def state_key(self) -> tuple:
         """A key that differs whenever the graph does: its lists, and every field of its nodes
-        and values (by identity for nodes, values, constant payloads and what a `meta` holds),
-        in its subgraphs too. For keeping an analysis of a graph that may be edited between two
+        and values (nodes and values by identity, fields by their items down to scalars and
+        sizes, anything else by identity: a constant's payload, a proto), in its subgraphs too. For keeping an analysis of a graph that may be edited between two
         asks for it (ort_schedule's leaf placements, estimated when the planner simulates the
         rewritten graph and again when it is written)."""
         ids = lambda vs: tuple(id(v) if v is not None else None for v in vs)   # noqa: E731
