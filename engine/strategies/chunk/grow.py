@@ -691,20 +691,26 @@ class _Grower:
         two region nodes, like the log of the softmax's sum), so the region is one step.
         An input computed from them in the backward part is the gradient of the region's
         output: the region runs in two phases, and those inputs are returned. Unless it is
-        computed from the region's backward values too: that input is between two nodes of the
-        backward phase, and is pulled in (a hand-written softmax's `amax`: its gradient divides
-        by the count of each row's maxima, summed outside from the region's mask of them)."""
+        computed from the backward phase's own values too (what the late inputs and the incoming
+        gradient reach in the region, as `phases` splits it): that input is between two nodes of
+        the backward phase, and is pulled in (a hand-written softmax's `amax`: its gradient,
+        summed in the region, is divided outside by the count of each row's maxima and read back)."""
         is_forward = self.ctx.analysis.is_forward
         while True:
             produced = [v.producer for v in self.inputs.values() if v.producer is not None]
             until = max((self.position[id(p)] for p in produced), default=-1)
             below = self.index.downstream([o for n in self.region.values() for o in n.outputs], until=until)
-            below_backward = self.index.downstream(
-                [o for n in self.region.values() if not is_forward(n) for o in n.outputs], until=until)
-            cyclic, late = [], []
-            for v in self.inputs.values():
-                if id(v) in below:
-                    (cyclic if is_forward(v.producer) or id(v) in below_backward else late).append(v)
+            cyclic = [v for v in self.inputs.values() if id(v) in below and is_forward(v.producer)]
+            late = [v for v in self.inputs.values() if id(v) in below and not is_forward(v.producer)]
+            if late:
+                tangent_inputs = [v for v in self.inputs.values() if id(v) in self.tangent_ids]
+                reached = self.index.downstream([*late, *tangent_inputs],
+                                                until=max(self.position[id(n)] for n in self.region.values()))
+                below_backward = self.index.downstream(
+                    [o for n in self.region.values() if any(id(o) in reached for o in n.outputs)
+                     for o in n.outputs], until=until)
+                cyclic += [v for v in late if id(v) in below_backward]
+                late = [v for v in late if id(v) not in below_backward]
             if late and not self.two_phase:
                 raise _TwoPhases()
             if not cyclic:
