@@ -117,12 +117,12 @@ def _head_graph(n: int, open_dims: frozenset = frozenset()) -> Graph:
 
 def test_a_chunk_guard_that_holds_at_longer_open_dims_is_a_refusal_that_says_so():
     """A graph traced at n = 256 (4 MiB of logits) that will run longer inputs (n open): the
-    chunk rule's 16 MiB guard holds at 8x n, so the match is refused with `longer_inputs` for
+    chunk rule's 16 MiB guard holds from 4x n, so the match is refused with `longer_from` 4 for
     the backend to tell the user; not where n has its largest size, nor where 8x is too short."""
     rules = compile_text(CHUNK_HEAD_RULE.replace("require bytes(logits) >= 4 * bytes(h)",
                                                  "require bytes(logits) >= 16 MiB").format(count=4), "head.rule")
     [refusal] = plan(_head_graph(256, frozenset({"n"})), rules).refusals
-    assert refusal.reason.longer_inputs and "16 MiB" in refusal.reason.message
+    assert refusal.reason.longer_from == 4 and "16 MiB" in refusal.reason.message      # 4 MiB at n = 256
     assert not plan(_head_graph(256), rules).refusals
     assert not plan(_head_graph(64, frozenset({"n"})), rules).refusals       # 8 MiB at 8x
     [matched] = plan(_head_graph(1024, frozenset({"n"})), rules).refusals    # 16 MiB: it matches (and

@@ -37,6 +37,7 @@ from engine.collector import collector_paused
 from engine.driver import ChunkCalls, Rewrite, rewrite
 from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
+from engine.matcher import Reason, longer_examples
 from engine.patterns import RuleSet
 from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
@@ -237,8 +238,22 @@ UNBOUNDED_BUDGET = ("remat: the budget of {budget} is planned at the sizes this 
 # A chunk rule's size guard is decided at the sizes the graph was traced at where Dynamo knows no
 # largest size: a dynamic graph traced short runs every longer input unchunked.
 LONGER_INPUTS = ("remat: {rules} not applied: this dynamic graph is planned at the sizes it was traced "
-                 "at ({sizes}), where {why}, and would apply to longer inputs. Give the largest size, and "
-                 "remat plans for it: torch._dynamo.mark_dynamic(tensor, dim, min=2, max=N) on the inputs")
+                 "at ({sizes}), where {why}; it would apply from about {factor}x those sizes ({longer}), and "
+                 "this graph runs them unchanged. Give the largest size, and remat plans for it: "
+                 "torch._dynamo.mark_dynamic(tensor, dim, min=2, max=N) on the inputs")
+
+
+def _longer_notice(longer: dict[str, Reason], graph: Graph, sources: dict[str, str]) -> str:
+    """LONGER_INPUTS for the rules refused at the traced sizes (Reason.longer_from), the open dims
+    named by the inputs they size where Dynamo knows it."""
+    first = min(longer.values(), key=lambda r: r.longer_from)
+
+    def sizes(examples: dict[str, int]) -> str:
+        return ", ".join(f"{sources.get(d, d)} = {n}" for d, n in sorted(examples.items()) if d in graph.open_dims)
+
+    return LONGER_INPUTS.format(rules=", ".join(sorted(longer)), sizes=sizes(graph.dim_examples), why=first.message,
+                                factor=f"{first.longer_from:g}",
+                                longer=sizes(longer_examples(graph.dim_examples, graph.open_dims, first.longer_from)))
 
 
 class RematPass(CustomGraphPass):
@@ -369,13 +384,10 @@ class RematPass(CustomGraphPass):
             if static:
                 self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)),
                                                    why=next(iter(static.values()))))
-            longer = {r.match.rule.name: r.reason.message for r in done.chunk_result.planning.refusals
+            longer = {r.match.rule.name: r.reason for r in done.chunk_result.planning.refusals
                       if r.reason.longer_inputs}
             if longer:
-                graph = done.chunk_result.planning.graph
-                sizes = ", ".join(f"{d} = {n}" for d, n in sorted(graph.dim_examples.items()) if d in graph.open_dims)
-                self._notice(LONGER_INPUTS.format(rules=", ".join(sorted(longer)), sizes=sizes,
-                                                  why=next(iter(longer.values()))))
+                self._notice(_longer_notice(longer, done.chunk_result.planning.graph, size_sources(builder.graph)))
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:
@@ -404,6 +416,28 @@ def _device_of(graph: fx.Graph) -> str:
     return "cpu"
 
 
+def skip_transformers_warnings() -> None:
+    """Have Dynamo skip transformers' `logger.warning_once` in compiled code
+    (`ignore_logging_functions`), where each call is a graph break (Dynamo does not trace its
+    lru_cache). GPT2LMHeadModel's `loss_function`, its `loss_type` unset as users build it, warns
+    between the LM head and the loss: two graphs, neither holding the linear + cross-entropy to
+    chunk. Done when a remat backend is made or looked up (`torch.compile(backend="remat")`
+    imports this module), once transformers is loaded; the warnings still print in eager runs."""
+    import logging
+    import sys
+
+    warn_once = getattr(logging.Logger, "warning_once", None)
+    if warn_once is None or "transformers" not in sys.modules:
+        return
+    import torch._dynamo.config as dynamo_config
+
+    skipped = getattr(dynamo_config, "ignore_logging_functions", None)     # torch 2.13
+    if skipped is None:
+        skipped = getattr(dynamo_config, "ignore_logger_methods", None)     # torch 2.11
+    if skipped is not None:
+        skipped.add(warn_once)
+
+
 def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
             tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
             strict: bool | None = None, budget=None, device=None, ratio: float | None = None,
@@ -424,6 +458,7 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     budget compiled before) runs no joint pass and would report nothing, though its code is the
     rewritten graph's; so with `report` remat's compiles skip AOTAutograd's cache (Inductor's FX
     graph cache, looked up after the joint pass, still serves them)."""
+    skip_transformers_warnings()
     inductor_options = _mode_options(mode)
     if ratio is not None:
         if budget is not None:
@@ -508,6 +543,9 @@ def _environment_options(options: dict) -> dict:
     if tiers and "tiers" not in options:
         options["tiers"] = [t.strip() for t in tiers.split(",") if t.strip()]
     return options
+
+
+skip_transformers_warnings()        # torch.compile(backend="remat") imports this module to look it up
 
 
 def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):

@@ -287,7 +287,8 @@ def size_sources(graph: fx.Graph) -> dict[str, str]:
     for symbol, env in _placeholder_symbols(graph):
         for source in getattr(env, "var_to_sources", {}).get(symbol, ())[:1]:
             name = source.name() if callable(source.name) else source.name
-            sources[str(symbol)] = re.sub(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$", r"\1.size(\2)", name)
+            sources[str(symbol)] = re.sub(r"^L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]$", r"\1.size(\2)",
+                                          name)       # (a keyword argument: L['kwargs']['input_ids'])
     return sources
 
 
