@@ -59,8 +59,13 @@ class Reason:
     # sizes but written with different symbols: a graph that says they are equal chunks.
     unproven_sizes: tuple[Any, Any] | None = None
     # A chunk rule's guard false at the example sizes and true at longer ones (Graph.open_dims):
-    # planned at the size the graph was traced at, the graph runs longer inputs unchunked.
-    longer_inputs: bool = False
+    # planned at the size the graph was traced at, the graph runs longer inputs unchunked. The
+    # open dims at their examples times `longer_from` are the shortest tried where it holds.
+    longer_from: float | None = None
+
+    @property
+    def longer_inputs(self) -> bool:
+        return self.longer_from is not None
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}"
@@ -119,8 +124,8 @@ class MatchContext:
 
 
 class _Fail(Exception):
-    def __init__(self, location: SourceLocation, message: str, longer_inputs: bool = False):
-        self.reason = Reason(location, message, longer_inputs=longer_inputs)
+    def __init__(self, location: SourceLocation, message: str, longer_from: float | None = None):
+        self.reason = Reason(location, message, longer_from=longer_from)
 
     @classmethod
     def again(cls, reason: Reason) -> "_Fail":
@@ -540,25 +545,35 @@ def _check_types_and_guards(rule: Rule, bindings: dict[str, Any], ctx: MatchCont
             raise _Fail(guard.location, f"`{guard.text}` cannot be evaluated: {exc}") from None
         if not value:
             raise _Fail(guard.location, _guard_failure(guard.expr, bindings, ctx),
-                        longer_inputs=rule.plan_type == PlanType.CHUNK and _holds_when_longer(guard, bindings, ctx))
+                        longer_from=_holds_from(guard, bindings, ctx) if rule.plan_type == PlanType.CHUNK else None)
 
 
-# How much longer than traced an open dim (Graph.open_dims) is tried for a chunk rule's guard.
-LONGER = 8
+# How much longer than traced the open dims (Graph.open_dims) are tried for a chunk rule's guard.
+LONGER = (1.25, 1.5, 2, 3, 4, 6, 8)
 
 
-def _holds_when_longer(guard, bindings: dict[str, Any], ctx: "MatchContext") -> bool:
-    """Whether a guard false at the example sizes holds with the graph's open dims LONGER times
-    their examples (the sizes were only those the graph was traced at)."""
+def longer_examples(examples: dict[str, int], open_dims: frozenset[str], factor: float) -> dict[str, int]:
+    """The example sizes with each open dim `factor` times as long."""
+    return {d: int(n * factor) if d in open_dims else n for d, n in examples.items()}
+
+
+def _holds_from(guard, bindings: dict[str, Any], ctx: "MatchContext") -> float | None:
+    """The least factor of LONGER at which a guard false at the example sizes holds with the
+    graph's open dims that many times their examples (the sizes were only those the graph was
+    traced at); None where it holds at none."""
     open_dims = ctx.graph.open_dims
     if not open_dims or not any(d in open_dims for d in ctx.examples):
-        return False
+        return None
     examples = ctx.examples
-    ctx.examples = {d: n * LONGER if d in open_dims else n for d, n in examples.items()}
-    try:        # (`and` and `or` decide each side at the context's examples)
-        return decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text)
-    except Exception:       # unproven, or not evaluable at those sizes: say nothing
-        return False
+    try:
+        for factor in LONGER:
+            ctx.examples = longer_examples(examples, open_dims, factor)
+            try:        # (`and` and `or` decide each side at the context's examples)
+                if decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text):
+                    return factor
+            except Exception:       # unproven, or not evaluable at those sizes: say nothing
+                return None
+        return None
     finally:
         ctx.examples = examples
 
