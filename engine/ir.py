@@ -252,9 +252,10 @@ class Graph:
     def state_key(self) -> tuple:
         """A key that differs whenever the graph does: its lists, and every field of its nodes
         and values (nodes and values by identity, fields by their items down to scalars and
-        sizes, anything else by identity: a constant's payload, a proto), in its subgraphs too. For keeping an analysis of a graph that may be edited between two
-        asks for it (ort_schedule's leaf placements, estimated when the planner simulates the
-        rewritten graph and again when it is written)."""
+        sizes, anything else by identity: a constant's payload, a proto), in its subgraphs too.
+        For keeping an analysis of a graph that may be edited between two asks for it
+        (ort_schedule's leaf placements, estimated when the planner simulates the rewritten graph
+        and again when it is written)."""
         ids = lambda vs: tuple(id(v) if v is not None else None for v in vs)   # noqa: E731
         values = tuple((id(v), *(_frozen(getattr(v, f)) for f in _VALUE_STATE)) for v in self.values())
         nodes = tuple((id(n), ids(n.inputs), ids(n.outputs), *(_frozen(getattr(n, f)) for f in _NODE_STATE),

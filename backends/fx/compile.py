@@ -227,9 +227,6 @@ def _unproven_notice(rule: str, sizes: tuple, sources: dict[str, str]) -> str:
     return UNPROVEN_SIZES.format(rule=rule, a=a, b=b, names=names, check=check)
 
 
-# A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
-# the largest size its shape environment allows (backends.fx.importer._dim_examples), which only
-# the user can give where Dynamo made the size dynamic by itself.
 # How the user gives the largest size: `torch._check` in the forward bounds the symbol's range,
 # which the importer reads. `mark_dynamic(t, dim, min=, max=)` bounds it too, but as a constraint
 # Dynamo checks every guard against: a chunk's slices of the symbolic size add guards (at least
@@ -238,6 +235,16 @@ def _unproven_notice(rule: str, sizes: tuple, sources: dict[str, str]) -> str:
 LARGEST = ("Give the largest size, and remat plans for it: torch._check({size} <= N) in the forward "
            "(mark_dynamic with min and max declares it as a constraint, which a chunk's slices of that size "
            "can violate)")
+
+
+def _size_name(dims, sources: dict[str, str]) -> str:
+    """How the forward names the first of `dims` whose input Dynamo knows (LARGEST's `{size}`)."""
+    return next((sources[d] for d in sorted(dims) if d in sources), "x.size(1)")
+
+
+# A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
+# the largest size its shape environment allows (backends.fx.importer._dim_examples), which only
+# the user can give where Dynamo made the size dynamic by itself.
 UNBOUNDED_BUDGET = ("remat: the budget of {budget} is planned at the sizes this dynamic graph was traced at "
                     "({sizes}); a longer batch needs more memory than planned. " + LARGEST)
 
@@ -257,9 +264,8 @@ def _longer_notice(longer: dict[str, Reason], graph: Graph, sources: dict[str, s
     def sizes(examples: dict[str, int]) -> str:
         return ", ".join(f"{sources.get(d, d)} = {n}" for d, n in sorted(examples.items()) if d in graph.open_dims)
 
-    size = next((sources[d] for d in sorted(graph.open_dims) if d in sources), "x.size(1)")
     return LONGER_INPUTS.format(rules=", ".join(sorted(longer)), sizes=sizes(graph.dim_examples), why=first.message,
-                                factor=f"{first.longer_from:g}", size=size,
+                                factor=f"{first.longer_from:g}", size=_size_name(graph.open_dims, sources),
                                 longer=sizes(longer_examples(graph.dim_examples, graph.open_dims, first.longer_from)))
 
 
@@ -354,10 +360,9 @@ class RematPass(CustomGraphPass):
         if self.budget is not None and self.budget.bytes is not None:
             unbounded = {name: traced for name, (traced, largest) in dim_bounds(graph).items() if largest is None}
             if unbounded:
-                sources = size_sources(graph)
                 self._notice(UNBOUNDED_BUDGET.format(budget=format_bytes(self.budget.bytes), sizes=", ".join(
                     f"{name}={size}" for name, size in sorted(unbounded.items())),
-                    size=next((sources[n] for n in sorted(unbounded) if n in sources), "x.size(1)")))
+                    size=_size_name(unbounded, size_sources(graph))))
         try:
             device = None if self.budget is None else profile_for(self.device or _device_of(graph))
             try:

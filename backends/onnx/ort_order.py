@@ -283,7 +283,7 @@ def _drop(graph: Graph, node: Node, keep: Value, gone: Value) -> None:
     output cannot be renamed, so then `keep`'s producer writes `gone` instead, if `keep` has
     no other reader and is neither an input nor an output (ORT's identity elimination)."""
     outputs = {id(v) for v in graph.outputs}
-    touched = [*node.inputs, *node.outputs, keep, gone]
+    touched = [*_touched(node), keep, gone]
     if id(gone) in outputs:
         p = keep.producer
         if p is None or len(keep.users) != 1 or id(keep) in outputs or keep.is_input:
@@ -336,7 +336,7 @@ def _eliminate(graph: Graph, unknown: dict[int, Dims]) -> None:
                 node.attrs["perm"] = [p1[p] for p in p2]
                 if len(src.users) == 1 and all(v is not src for v in graph.outputs):
                     graph.nodes = [n for n in graph.nodes if n is not inner]
-                graph.relink([src, *inner.inputs, *inner.outputs])
+                graph.relink(_touched(inner))      # src, inner's output, read now from inner's input
                 if node.attrs["perm"] == list(range(len(p2))):
                     _drop(graph, node, node.inputs[0], out)
                 changed = True
