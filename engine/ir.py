@@ -177,6 +177,12 @@ class Graph:
     # rule whose size guard fails at the example but holds at longer sizes is refused so
     # (`Reason.longer_inputs`), and the backend says how to plan for the longest.
     open_dims: frozenset[str] = frozenset()
+    # The dims whose range the user declared as a constraint that every guard the backend adds
+    # must follow from (fx: `mark_dynamic(t, dim, min=, max=)`, which Dynamo checks after the
+    # backend returned, raising ConstraintViolationError). A chunk's slices of such a size
+    # guard their own sizes (at least two rows each, the last slice's rows), which no declared
+    # range proves: a region sliced along it is refused (`Reason.constrained_dims`).
+    constrained_dims: frozenset[str] = frozenset()
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -351,7 +357,7 @@ class Graph:
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
                      dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.slicing,
-                     self.dynamic_reshapes, self.eager_random, self.open_dims)
+                     self.dynamic_reshapes, self.eager_random, self.open_dims, self.constrained_dims)
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

@@ -62,6 +62,8 @@ class Reason:
     # planned at the size the graph was traced at, the graph runs longer inputs unchunked. The
     # open dims at their examples times `longer_from` are the shortest tried where it holds.
     longer_from: float | None = None
+    # A region refused because its slices would be of a size over these dims (Graph.constrained_dims).
+    constrained_dims: tuple[str, ...] = ()
 
     @property
     def longer_inputs(self) -> bool:

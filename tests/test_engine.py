@@ -8,10 +8,10 @@ from dsl.loader import compile_text, load_rules
 from engine.analysis import analyze, estimate_peak
 from engine.apply import apply, plan
 from engine.errors import ConfigError, GraphError, RuleError
-from engine.ir import Graph, Node, Value
+from engine.ir import Graph, Node, SliceSizes, Value
 from engine.matcher import explain, match
 from engine.plans import parse_config
-from engine.shapes import evaluate, symbol
+from engine.shapes import evaluate, parse_dim, symbol
 from ir_graphs import CHUNK_HEAD_RULE, GraphBuilder, gelu_training_graph
 
 GELU_RULE = """
@@ -127,6 +127,32 @@ def test_a_chunk_guard_that_holds_at_longer_open_dims_is_a_refusal_that_says_so(
     assert not plan(_head_graph(64, frozenset({"n"})), rules).refusals       # 8 MiB at 8x
     [matched] = plan(_head_graph(1024, frozenset({"n"})), rules).refusals    # 16 MiB: it matches (and
     assert matched.reason.dynamic_sizes and not matched.reason.longer_inputs  # wants static slices here)
+
+
+@pytest.mark.parametrize("rows, constrained, slices", [
+    ("4*n", {"n"}, 4),          # 4 slices of n rows: sizes the declared range bounds
+    ("2*n", {"n"}, 2),          # the most slices that divide the rows
+    ("2*n", set(), 4),          # no constraint: floor(2n / 4) rows each
+    ("n", {"n"}, None),         # no count divides n rows: refused, naming n
+])
+def test_rows_over_a_constrained_dim_are_sliced_only_where_a_count_divides_them(rows, constrained, slices):
+    """A dim whose declared range every guard must follow from (Graph.constrained_dims: fx's
+    mark_dynamic with min and max) cannot take slices of floor(rows / count) rows, whose sizes
+    guard themselves; exact slices it can."""
+    b, rows = GraphBuilder({"n": 64}), parse_dim(rows)
+    h = b.input("h", shape=(rows, 256))
+    w = b.input("w", shape=(256, 4096), weight=True)
+    logits = b.op("MatMul", [h, w], shape=(rows, 4096), name="logits")
+    g = b.graph([b.op("ReduceSum", [logits], shape=(), name="loss")])
+    g.slicing, g.dynamic_reshapes, g.constrained_dims = SliceSizes.FIXED_COUNT, True, frozenset(constrained)
+    planning = plan(g, compile_text(CHUNK_HEAD_RULE.format(count=4), "head.rule"))
+    if slices is None:
+        [refusal] = planning.refusals
+        assert refusal.reason.constrained_dims == ("n",) and "declared range" in refusal.reason.message
+    else:
+        [chunk_plan] = planning.plans
+        [region] = chunk_plan.occurrences
+        assert len(region.chunks) == region.count == slices and not planning.refusals
 
 
 def test_verify_names_the_node():

@@ -161,6 +161,36 @@ def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh
         assert remat.remat_pass.chunked == 1 and region.extent.free_symbols
 
 
+@pytest.mark.parametrize("batch, largest, slices", [(2, 128, 2), (1, 256, None)])
+def test_a_declared_range_keeps_the_chunks_whose_slices_it_proves(fresh_compiles, batch, largest, slices):
+    """`mark_dynamic(t, 1, min=2, max=N)` makes the length a constraint Dynamo checks every guard
+    against after the backend returned. The loss's 4 slices of `floor(batch * s / 4)` tokens guard
+    their sizes, and the step raised ConstraintViolationError. Now 2 sequences take 2 slices of one
+    sequence each (sizes the range proves), and one sequence is left whole, with a notice giving
+    the way to keep the chunk."""
+    model = gpt(replace(CFG, dropout=0.0, batch=batch, seq=largest))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat)
+    g = torch.Generator().manual_seed(batch)
+    for length in (largest, largest - 28):
+        inputs = [torch.randint(0, CFG.vocab, (batch, length), generator=g) for _ in range(2)]
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=largest)
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4, length
+        assert max(relative_error(a, b) for a, b in zip(grads, want_grads)) < 1e-4, length
+    constrained = [n for n in remat.remat_pass.notices if "declared as a constraint" in n]
+    if slices is None:
+        [notice] = constrained
+        assert remat.remat_pass.chunked == 0 and "chunk_linear_cross_entropy not applied" in notice \
+            and "torch._check(" in notice and ".size(1) <= N)" in notice, notice
+    else:
+        [chunking] = remat.remat_pass.chunk_results
+        [region] = chunking.chunks
+        assert remat.remat_pass.chunked == 1 and region.count == slices and not constrained
+
+
 @pytest.mark.parametrize("largest", [None, 128])
 def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_the_traced_ones(
         fresh_compiles, recwarn, largest):

@@ -229,17 +229,26 @@ def _unproven_notice(rule: str, sizes: tuple, sources: dict[str, str]) -> str:
 
 # How the user gives the largest size: `torch._check` in the forward bounds the symbol's range,
 # which the importer reads. `mark_dynamic(t, dim, min=, max=)` bounds it too, but as a constraint
-# Dynamo checks every guard against: a chunk's slices of the symbolic size add guards (at least
-# `count` rows, the last slice's size) that a declared range cannot prove, and Dynamo raises
-# ConstraintViolationError after the backend returned (GPT-2, batch 2, max=512).
+# Dynamo checks every guard against after the backend returned: slices of `floor(size / count)`
+# rows guard their own sizes, which the range cannot prove (ConstraintViolationError, GPT-2 at
+# batch 2), so over such a size remat slices only where a count divides it (Graph.constrained_dims).
 LARGEST = ("Give the largest size, and remat plans for it: torch._check({size} <= N) in the forward "
-           "(mark_dynamic with min and max declares it as a constraint, which a chunk's slices of that size "
-           "can violate)")
+           "(mark_dynamic with min and max declares it as a constraint, which keeps a chunk over that size "
+           "only where a count of slices divides it)")
 
 
 def _size_name(dims, sources: dict[str, str]) -> str:
     """How the forward names the first of `dims` whose input Dynamo knows (LARGEST's `{size}`)."""
     return next((sources[d] for d in sorted(dims) if d in sources), "x.size(1)")
+
+
+# A size given a range by mark_dynamic(min=, max=): Dynamo checks every guard against it after the
+# backend returned, and a chunk's slices of it guard their own sizes, so the region is refused
+# (Reason.constrained_dims) rather than the step raising ConstraintViolationError.
+CONSTRAINED_SIZES = ("remat: {rules} not applied: {size} has a range declared as a constraint (mark_dynamic "
+                     "with min or max), which Dynamo checks every guard against, and the chunk's slices of it "
+                     "guard their own sizes. To keep the chunk, mark it dynamic without min and max, and give "
+                     "the largest size with torch._check({size} <= N) in the forward: remat plans for it")
 
 
 # A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
@@ -398,6 +407,12 @@ class RematPass(CustomGraphPass):
             if static:
                 self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)),
                                                    why=next(iter(static.values()))))
+            constrained = {r.match.rule.name: r.reason.constrained_dims for r in done.chunk_result.planning.refusals
+                           if r.reason.constrained_dims}
+            if constrained:
+                dims = {d for found in constrained.values() for d in found}
+                self._notice(CONSTRAINED_SIZES.format(rules=", ".join(sorted(constrained)),
+                                                      size=_size_name(dims, size_sources(builder.graph))))
             longer = {r.match.rule.name: r.reason for r in done.chunk_result.planning.refusals
                       if r.reason.longer_inputs}
             if longer:

@@ -193,6 +193,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
                            dynamic_reshapes=True, eager_random=bool(inductor_config.fallback_random))
             result.dim_examples = _dim_examples(graph)
             result.open_dims = frozenset(name for name, (_, largest) in dim_bounds(graph).items() if largest is None)
+            result.constrained_dims = constrained_dims()
             result.unite_sizes(size_facts(graph), smallest_sizes(graph))
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
             result.verify()
@@ -226,6 +227,29 @@ def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:
         largest = int(upper) if isinstance(upper, sympy.Integer) and int(upper) >= int(hint) else None
         bounds[str(symbol)] = (int(hint), largest)
     return bounds
+
+
+def constrained_dims() -> frozenset[str]:
+    """The symbols whose range is a constraint Dynamo checks every guard against when it builds
+    the frame's guards, after the backend returned: `mark_dynamic(t, dim, min=, max=)` (and
+    export's `Dim`s) make a StrictMinMaxConstraint. Read from the frame Dynamo is compiling now
+    (its tracked fakes, each with the constraints of its dims); none outside Dynamo."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch.fx.experimental.symbolic_shapes import StrictMinMaxConstraint
+
+        tracked = InstructionTranslator.current_tx().output.tracked_fakes
+    except Exception:       # not under Dynamo (make_fx, a test), or a torch that keeps them elsewhere
+        return frozenset()
+    names: set[str] = set()
+    for fake in tracked:
+        constraints = getattr(fake.symbolic_context, "constraint_sizes", None) or ()
+        for dim, constraint in enumerate(constraints):
+            if isinstance(constraint, StrictMinMaxConstraint) and isinstance(fake.fake, torch.Tensor):
+                size = fake.fake.size(dim)
+                if isinstance(size, torch.SymInt):
+                    names |= {str(s) for s in size.node.expr.free_symbols}
+    return frozenset(names)
 
 
 def _placeholder_symbols(graph: fx.Graph) -> Iterator[tuple[Any, Any]]:

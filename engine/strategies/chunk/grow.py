@@ -56,10 +56,10 @@ from ...guards import Unproven, evaluate_expr
 from ...ir import Graph, Node, SliceSizes, Value
 from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
-from ...shapes import evaluate, is_static, simplify
+from ...shapes import evaluate, free_dims, is_static, simplify
 from ..replay import BoundReplay, bound_replay
-from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedDynamic, RefusedUnproven, attr_text, dim_map, norm_dim,
-                    rank_of, same_size)
+from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedConstrained, RefusedDynamic, RefusedUnproven, attr_text,
+                    dim_map, norm_dim, rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
                      slice_sizes, unit_denominator, unit_formula)
 
@@ -628,6 +628,11 @@ class _Grower:
                 raise RefusedDynamic(f"the chunked dim has the symbolic size {self.size} (or the slice count "
                                      f"`{action.count.text}` depends on a dynamic dim); this backend builds "
                                      f"slices of static sizes only")
+            # what the slices' sizes are made of: the rows (or whole groups) split, and a count not fixed
+            sliced = free_dims(sympy.sympify(size)) | (set() if fixed else free_dims(sympy.sympify(formula)))
+            constrained = sorted(sliced & self.graph.constrained_dims)
+            if constrained:
+                count = self.exact_count(size, count, fixed, constrained)
             if any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
                 raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
                                      f"a slice along the chunk dim needs slices built at static sizes")
@@ -640,6 +645,23 @@ class _Grower:
         return ChunkRegion(self.match, nodes, self.meta, inputs, sizes,
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
                            self.means, extent, count_formula, dict(self.reshaped), granule, leaving, slicing)
+
+    def exact_count(self, size: Any, count: int, fixed: bool, constrained: list[str]) -> int:
+        """The slice count for rows whose size is over dims with a declared range every guard must
+        follow from (Graph.constrained_dims). Slices of `floor(size / count)` rows guard their own
+        sizes (at least two rows, the last slice's rest), which such a range cannot prove; slices
+        that divide the size exactly (`4*s` tokens in 4 slices of `s`) are of sizes the range
+        bounds itself. So the most slices, up to `count`, into which the size's constant factor
+        divides, else RefusedConstrained."""
+        factor = sympy.sympify(size).as_content_primitive()[0] if fixed else 1
+        exact = next((k for k in range(count, 1, -1) if factor % k == 0), None) \
+            if isinstance(factor, sympy.Integer) else None
+        if exact is None:
+            raise RefusedConstrained(f"the chunked dim has the symbolic size {size}, which no count of slices "
+                                     f"divides, and {', '.join(constrained)} has a declared range that every "
+                                     f"guard must follow from, which slices of uneven sizes do not",
+                                     tuple(constrained))
+        return exact
 
     def built_whole(self, phases: list[ChunkPhase]) -> set[int]:
         """Ids of what leaves the region, and of the region values it reshapes (views): those
@@ -909,6 +931,8 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
                 grower = _Grower(match, action, ctx, two_phase=True, elide=elide)
                 try:
                     return grower.grow(action)
+                except (RefusedDynamic, RefusedConstrained):
+                    raise       # in two phases it chunks at other sizes: what the user can change
                 except Refused as e:
                     raise (one_phase or e) from None
         except Refused as e:
@@ -916,4 +940,5 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
             if grower is None or not grower.elided:
                 break           # nothing was skipped: growing again would refuse alike
     return Reason(action.location, str(refused), dynamic_sizes=isinstance(refused, RefusedDynamic),
-                  unproven_sizes=refused.sizes if isinstance(refused, RefusedUnproven) else None)
+                  unproven_sizes=refused.sizes if isinstance(refused, RefusedUnproven) else None,
+                  constrained_dims=refused.dims if isinstance(refused, RefusedConstrained) else ())

@@ -90,6 +90,15 @@ class RefusedUnproven(RefusedDynamic):
         self.sizes = sizes
 
 
+class RefusedConstrained(Refused):
+    """A region whose slices would be sized by dims with a declared range every guard must
+    follow from (Graph.constrained_dims): the slices' guards break it (Reason.constrained_dims)."""
+
+    def __init__(self, message: str, dims: tuple[str, ...]):
+        super().__init__(message)
+        self.dims = dims
+
+
 @dataclass
 class DimMap:
     """How one node's output dims relate to its inputs' dims."""
