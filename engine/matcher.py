@@ -12,6 +12,8 @@ both orders of its operands. Both are matched once per (pattern, node) in one ma
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +66,9 @@ class Reason:
     longer_from: float | None = None
     # A region refused because its slices would be of a size over these dims (Graph.constrained_dims).
     constrained_dims: tuple[str, ...] = ()
+    # A region refused because the step returns its every large value (a loss computed by the
+    # graph's caller): those values, by name.
+    returned_values: tuple[str, ...] = ()
 
     @property
     def longer_inputs(self) -> bool:
@@ -560,21 +565,33 @@ def longer_examples(examples: dict[str, int], open_dims: frozenset[str], factor:
 
 
 def _holds_from(guard, bindings: dict[str, Any], ctx: "MatchContext") -> float | None:
-    """The least factor of LONGER at which a guard false at the example sizes holds with the
-    graph's open dims that many times their examples (the sizes were only those the graph was
-    traced at); None where it holds at none."""
+    """The least factor, to a hundredth, at which a guard false at the example sizes holds with
+    the graph's open dims that many times their examples (the sizes were only those the graph
+    was traced at): the first of LONGER where it holds, then bisected down from there (a guard
+    over sizes grows with them); None where it holds at none of LONGER."""
     open_dims = ctx.graph.open_dims
     if not open_dims or not any(d in open_dims for d in ctx.examples):
         return None
     examples = ctx.examples
+
+    def holds(factor: float) -> bool:
+        ctx.examples = longer_examples(examples, open_dims, factor)
+        # (`and` and `or` decide each side at the context's examples)
+        return bool(decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text))
+
     try:
+        below = 1.0
         for factor in LONGER:
-            ctx.examples = longer_examples(examples, open_dims, factor)
-            try:        # (`and` and `or` decide each side at the context's examples)
-                if decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text):
-                    return factor
-            except Exception:       # unproven, or not evaluable at those sizes: say nothing
-                return None
+            if holds(factor):
+                while factor - below > 0.01:
+                    middle = math.ceil((below + factor) * 50) / 100
+                    if middle >= factor:
+                        break
+                    below, factor = (below, middle) if holds(middle) else (middle, factor)
+                return factor
+            below = factor
+        return None
+    except Exception:       # unproven, or not evaluable at those sizes: say nothing
         return None
     finally:
         ctx.examples = examples

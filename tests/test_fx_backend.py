@@ -245,3 +245,19 @@ def test_in_place_ops_on_scores_leave_clones_that_compute_the_same_joint_graph()
     assert torch.ops.aten.copy.default not in targets and torch.ops.aten.new_empty_strided.default not in targets
     got = joint(primals, tangents)
     assert all(torch.equal(a, b) for a, b in zip(want, got) if isinstance(a, torch.Tensor))
+
+
+def test_a_loss_computed_after_the_compiled_module_is_named_as_what_keeps_the_logits_whole(fresh_compiles):
+    """The model compiled, the loss in eager code after it (a common training loop): the logits
+    are the graph's output, whole whatever remat does, and the user hears where to put the loss."""
+    head = torch.nn.Sequential(torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 16384, bias=False))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(head, backend=remat)
+    ids = torch.randint(0, 1024, (4, 128))
+    logits = compiled(ids)
+    torch.nn.functional.cross_entropy(logits.view(-1, 16384), ids.view(-1)).backward()
+    [notice] = remat.remat_pass.notices
+    assert notice.startswith("remat: chunk_linear_cross_entropy not applied: the compiled graph returns a "
+                             "float32[512, 16384] tensor of 32.00 MiB to its caller") \
+        and "Compute the loss inside what torch.compile compiles" in notice, notice
+    assert remat.remat_pass.chunked == 0

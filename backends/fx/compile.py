@@ -43,7 +43,7 @@ from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
-from engine.shapes import format_bytes
+from engine.shapes import evaluate, format_bytes
 from engine.strategies.chunk import ChunkRegion
 
 from backends.device import profile_for
@@ -251,6 +251,26 @@ CONSTRAINED_SIZES = ("remat: {rules} not applied: {size} has a range declared as
                      "the largest size with torch._check({size} <= N) in the forward: remat plans for it")
 
 
+# A chunk rule whose every large value the graph returns: the loss is computed by the graph's
+# caller (a compiled model whose loss is eager code after it, or a graph break before the loss),
+# so the logits exist whole whatever remat does.
+RETURNED_WHOLE = ("remat: {rules} not applied: the compiled graph returns {what} to its caller, which keeps it "
+                  "whole: the loss is computed outside this graph (in code after the compiled module, or after "
+                  "a graph break). Compute the loss inside what torch.compile compiles (a module or function "
+                  "that returns the loss; TORCH_LOGS=graph_breaks names a break), and remat chunks it")
+
+
+def _returned_notice(returned: dict[str, tuple[str, ...]], graph: Graph) -> str:
+    """RETURNED_WHOLE for the rules refused over values the graph returns, the largest named by
+    its type and size at the planned sizes."""
+    names = {name for found in returned.values() for name in found}
+    values = [v for v in graph.values() if v.name in names]
+    largest = max(values, key=lambda v: evaluate(v.nbytes, graph.dim_examples) or 0, default=None)
+    what = "its large values" if largest is None else \
+        f"a {largest.type_str} tensor of {format_bytes(evaluate(largest.nbytes, graph.dim_examples))}"
+    return RETURNED_WHOLE.format(rules=", ".join(sorted(returned)), what=what)
+
+
 # A budget in bytes is about the device: the longest batch must fit. A dynamic graph is planned at
 # the largest size its shape environment allows (backends.fx.importer._dim_examples), which only
 # the user can give where Dynamo made the size dynamic by itself.
@@ -413,6 +433,10 @@ class RematPass(CustomGraphPass):
                 dims = {d for found in constrained.values() for d in found}
                 self._notice(CONSTRAINED_SIZES.format(rules=", ".join(sorted(constrained)),
                                                       size=_size_name(dims, size_sources(builder.graph))))
+            returned = {r.match.rule.name: r.reason.returned_values for r in done.chunk_result.planning.refusals
+                        if r.reason.returned_values}
+            if returned:
+                self._notice(_returned_notice(returned, done.chunk_result.planning.graph))
             longer = {r.match.rule.name: r.reason for r in done.chunk_result.planning.refusals
                       if r.reason.longer_inputs}
             if longer:

@@ -58,8 +58,8 @@ from ...matcher import Match, MatchContext, Reason
 from ...patterns import Chunk
 from ...shapes import evaluate, free_dims, is_static, simplify
 from ..replay import BoundReplay, bound_replay
-from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedConstrained, RefusedDynamic, RefusedUnproven, attr_text,
-                    dim_map, norm_dim, rank_of, same_size)
+from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedConstrained, RefusedDynamic, RefusedReturned,
+                    RefusedUnproven, attr_text, dim_map, norm_dim, rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
                      slice_sizes, unit_denominator, unit_formula)
 
@@ -594,10 +594,11 @@ class _Grower:
         # plan: it leaves the region concatenated, and the region is worth running while a large
         # value it computes (the log-softmax, the logits' gradient) is not returned.
         leaving = self.built_whole(phases)
-        if not any(self.large(o) for n in nodes if self.kind_or_none(n) != "reshape"     # views of the others
-                   for o in n.outputs if o is not None and id(o) not in leaving):
-            raise Refused("every large value of the region is returned by the step, so it is built whole "
-                          "anyway")
+        large = [o for n in nodes if self.kind_or_none(n) != "reshape"     # views of the others
+                 for o in n.outputs if o is not None and self.large(o)]
+        if not any(id(o) not in leaving for o in large):
+            raise RefusedReturned("every large value of the region is returned by the step, so it is built "
+                                  "whole anyway", tuple(o.name for o in large))
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count, formula = self.count(action)
@@ -941,4 +942,5 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
                 break           # nothing was skipped: growing again would refuse alike
     return Reason(action.location, str(refused), dynamic_sizes=isinstance(refused, RefusedDynamic),
                   unproven_sizes=refused.sizes if isinstance(refused, RefusedUnproven) else None,
-                  constrained_dims=refused.dims if isinstance(refused, RefusedConstrained) else ())
+                  constrained_dims=refused.dims if isinstance(refused, RefusedConstrained) else (),
+                  returned_values=refused.values if isinstance(refused, RefusedReturned) else ())

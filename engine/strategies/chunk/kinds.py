@@ -99,6 +99,15 @@ class RefusedConstrained(Refused):
         self.dims = dims
 
 
+class RefusedReturned(Refused):
+    """A region whose every large value the step returns (the logits of a graph whose loss is
+    computed by its caller): `values` names them (Reason.returned_values)."""
+
+    def __init__(self, message: str, values: tuple[str, ...]):
+        super().__init__(message)
+        self.values = values
+
+
 @dataclass
 class DimMap:
     """How one node's output dims relate to its inputs' dims."""
