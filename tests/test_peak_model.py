@@ -214,16 +214,25 @@ def test_estimate_agrees_with_onnx_runtime_on_a_training_graph():
     assert abs(estimated / measured - 1) < 0.10, (estimated / 2**20, measured / 2**20)
 
 
+def _i64(name: str, values) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _slice_of_h() -> list[onnx.NodeProto]:
+    """A Loop body's first nodes: `hs`, rows [it * width, (it + 1) * width) of the outer `h`
+    (the body's initializers `one`, `width` and `axis0` give the shape, the rows and the axis)."""
+    return [helper.make_node("Reshape", ["it", "one"], ["it1"]),
+            helper.make_node("Mul", ["it1", "width"], ["start"]),
+            helper.make_node("Add", ["start", "width"], ["end"]),
+            helper.make_node("Slice", ["h", "start", "end", "axis0"], ["hs"])]
+
+
 def _loop_model(rows: int = 2048, cols: int = 2048, trip: int = 8) -> tuple[onnx.ModelProto, dict]:
     """A chunked computation as remat builds it: a Loop over row slices, a scan output and a
     carried sum, the stacked slices reshaped back."""
     size = rows // trip
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)
     body = helper.make_graph(
-        [helper.make_node("Reshape", ["it", "one"], ["it1"]),
-         helper.make_node("Mul", ["it1", "width"], ["start"]),
-         helper.make_node("Add", ["start", "width"], ["end"]),
-         helper.make_node("Slice", ["h", "start", "end", "axis0"], ["hs"]),
+        [*_slice_of_h(),
          helper.make_node("Exp", ["hs"], ["e"]),
          helper.make_node("Mul", ["e", "hs"], ["p"]),
          helper.make_node("ReduceSum", ["p", "axis0"], ["colsum"], keepdims=1),
@@ -237,7 +246,7 @@ def _loop_model(rows: int = 2048, cols: int = 2048, trip: int = 8) -> tuple[onnx
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [1, cols]),
          helper.make_tensor_value_info("scan", TensorProto.FLOAT, [size, cols])],
-        [i64("one", [1]), i64("width", [size]), i64("axis0", [0])])
+        [_i64("one", [1]), _i64("width", [size]), _i64("axis0", [0])])
     graph = helper.make_graph(
         [helper.make_node("Exp", ["x"], ["h"]),
          helper.make_node("Loop", ["trips", "", "zeros"], ["total", "stacked"], body=body),
@@ -248,7 +257,7 @@ def _loop_model(rows: int = 2048, cols: int = 2048, trip: int = 8) -> tuple[onnx
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
          helper.make_tensor_value_info("total", TensorProto.FLOAT, [1, cols])],
         [numpy_helper.from_array(np.array(trip, np.int64), "trips"),
-         numpy_helper.from_array(np.zeros((1, cols), np.float32), "zeros"), i64("shape", [rows, cols])])
+         numpy_helper.from_array(np.zeros((1, cols), np.float32), "zeros"), _i64("shape", [rows, cols])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model, {"x": np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.1}
@@ -273,12 +282,8 @@ def test_a_loop_body_does_not_fuse_a_transpose_of_the_enclosing_graph():
     step it estimated 172.9 MiB where ORT measures 160.5 (160.9 now)."""
     rows, cols, trip = 1024, 1024, 8
     size = rows // trip
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)   # noqa: E731
     body = helper.make_graph(
-        [helper.make_node("Reshape", ["it", "one"], ["it1"]),
-         helper.make_node("Mul", ["it1", "width"], ["start"]),
-         helper.make_node("Add", ["start", "width"], ["end"]),
-         helper.make_node("Slice", ["h", "start", "end", "axis0"], ["hs"]),
+        [*_slice_of_h(),
          helper.make_node("MatMul", ["hs", "t"], ["m"]),
          helper.make_node("Neg", ["m"], ["scan"]),
          helper.make_node("Identity", ["cond"], ["cond_out"])],
@@ -287,7 +292,7 @@ def test_a_loop_body_does_not_fuse_a_transpose_of_the_enclosing_graph():
          helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("scan", TensorProto.FLOAT, [size, rows])],
-        [i64("one", [1]), i64("width", [size]), i64("axis0", [0])])
+        [_i64("one", [1]), _i64("width", [size]), _i64("axis0", [0])])
     graph = helper.make_graph(
         [helper.make_node("Exp", ["x"], ["h"]),
          helper.make_node("Transpose", ["h"], ["t"], perm=[1, 0]),
@@ -295,7 +300,7 @@ def test_a_loop_body_does_not_fuse_a_transpose_of_the_enclosing_graph():
          helper.make_node("Reshape", ["stacked", "shape"], ["y"])],
         "chunked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cols])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, rows])],
-        [numpy_helper.from_array(np.array(trip, np.int64), "trips"), i64("shape", [rows, rows])])
+        [numpy_helper.from_array(np.array(trip, np.int64), "trips"), _i64("shape", [rows, rows])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     view = ort_view(written_graph(model))
@@ -344,7 +349,6 @@ def test_onnx_runtimes_shape_knowledge_ends_at_a_value_of_no_shape():
     from backends.onnx.runtime import inferred_shapes
 
     n = 2048
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)
     nodes = [helper.make_node("SplitToSequence", ["x", "split"], ["seq"], axis=1),
              helper.make_node("SequenceAt", ["seq", "zero"], ["s"]),
              helper.make_node("Exp", ["x1"], ["a"]),
@@ -355,7 +359,7 @@ def test_onnx_runtimes_shape_knowledge_ends_at_a_value_of_no_shape():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, 2 * n]),
                                            helper.make_tensor_value_info("x1", TensorProto.FLOAT, [n, n])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
-                              [i64("split", [n, n]), i64("zero", 0)])
+                              [_i64("split", [n, n]), _i64("zero", 0)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     feeds = {"x": np.ones((n, 2 * n), np.float32), "x1": np.ones((n, n), np.float32)}
 
@@ -381,7 +385,6 @@ def test_onnx_runtime_folds_no_shape_of_a_value_whose_dims_it_does_not_know():
     estimated 5.6% and 6.7% below ORT's measured peak, now within 0.2% (bench/peak_model.py)."""
     from backends.onnx.runtime import inferred_shapes
 
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)
     nodes = [helper.make_node("Add", ["start", "width"], ["end"]),
              helper.make_node("Slice", ["x", "start", "end", "axis0"], ["xs"]),
              helper.make_node("LogSoftmax", ["xs"], ["ls"], axis=1),
@@ -391,7 +394,7 @@ def test_onnx_runtime_folds_no_shape_of_a_value_whose_dims_it_does_not_know():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 32]),
                                            helper.make_tensor_value_info("start", TensorProto.INT64, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", "cols"])],
-                              [i64("width", [16]), i64("axis0", [0]),
+                              [_i64("width", [16]), _i64("axis0", [0]),
                                numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     ort_dims = inferred_shapes(model, ("xs", "ls_shape", "full"))
@@ -608,7 +611,6 @@ def test_onnx_runtime_knows_the_input_dims_names_and_the_shapes_the_file_states(
     from backends.onnx.ort_order import declared_shapes, ort_view
     from backends.onnx.runtime import inferred_shapes
 
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
              helper.make_node("Shape", ["h"], ["s"]),
              helper.make_node("Gather", ["s", "zero"], ["rows"]),
@@ -621,8 +623,8 @@ def test_onnx_runtime_knows_the_input_dims_names_and_the_shapes_the_file_states(
     infos = [helper.make_tensor_value_info("r", TensorProto.FLOAT, ["batch", 64])] if declared else []
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])],
-                              [numpy_helper.from_array(np.ones((64, 64), np.float32), "w"), i64("zero", 0),
-                               i64("axis0", [0]), i64("cols", [64])], value_info=infos)
+                              [numpy_helper.from_array(np.ones((64, 64), np.float32), "w"), _i64("zero", 0),
+                               _i64("axis0", [0]), _i64("cols", [64])], value_info=infos)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     ort_dims = inferred_shapes(model, ("h", "r", "a"))
     assert ort_dims["h"] == ["batch", 64]
@@ -660,7 +662,6 @@ def test_sizes_computed_from_shapes_are_evaluated_at_the_example_dims():
     evaluated at the example dims now (`_int_values`). On the zoo's models exported with dynamic
     dims (RMSNorm's barriers, in-place ops, the conv net's GroupNorm) every estimate was None
     and is now 0.87-1.16x the measured peak."""
-    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)
     f32 = lambda name, values: numpy_helper.from_array(np.array(values, np.float32), name)
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
              helper.make_node("Gather", ["s", "zero"], ["b"]),
@@ -678,8 +679,8 @@ def test_sizes_computed_from_shapes_are_evaluated_at_the_example_dims():
              helper.make_node("Reshape", ["y1", "barrier"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4096])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4096])],
-                              [i64("zero", 0), i64("axis0", [0]), i64("groups", [4]), i64("minus1", [-1]),
-                               i64("eight", [8]), i64("cols", [512]), f32("scale", np.ones(4)),
+                              [_i64("zero", 0), _i64("axis0", [0]), _i64("groups", [4]), _i64("minus1", [-1]),
+                               _i64("eight", [8]), _i64("cols", [512]), f32("scale", np.ones(4)),
                                f32("bias", np.zeros(4))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     helper.set_model_props(model, {DIM_EXAMPLES_KEY: json.dumps({"batch": 1024})})     # as the exporter writes
