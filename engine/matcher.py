@@ -12,6 +12,7 @@ both orders of its operands. Both are matched once per (pattern, node) in one ma
 """
 from __future__ import annotations
 
+import copy
 import math
 
 from dataclasses import dataclass, field
@@ -98,6 +99,13 @@ class MatchContext:
         # The chunk grower's index of the graph (engine.strategies.chunk.grow.GraphIndex), made by
         # the first chunk match and shared by the others.
         self.chunk_index = None
+
+    def at(self, examples: dict[str, int]) -> "MatchContext":
+        """This context at other example sizes (a guard tried at longer inputs), sharing what it
+        knows of the graph."""
+        other = copy.copy(self)
+        other.examples = examples
+        return other
 
     @property
     def analysis(self) -> Analysis:
@@ -572,12 +580,10 @@ def _holds_from(guard, bindings: dict[str, Any], ctx: "MatchContext") -> float |
     open_dims = ctx.graph.open_dims
     if not open_dims or not any(d in open_dims for d in ctx.examples):
         return None
-    examples = ctx.examples
 
     def holds(factor: float) -> bool:
-        ctx.examples = longer_examples(examples, open_dims, factor)
-        # (`and` and `or` decide each side at the context's examples)
-        return bool(decide(evaluate_expr(guard.expr, bindings, ctx), ctx.examples, guard.text))
+        longer = ctx.at(longer_examples(ctx.examples, open_dims, factor))
+        return bool(decide(evaluate_expr(guard.expr, bindings, longer), longer.examples, guard.text))
 
     try:
         below = 1.0
@@ -593,8 +599,6 @@ def _holds_from(guard, bindings: dict[str, Any], ctx: "MatchContext") -> float |
         return None
     except Exception:       # unproven, or not evaluable at those sizes: say nothing
         return None
-    finally:
-        ctx.examples = examples
 
 
 def try_match(rule: Rule, node: Node, ctx: MatchContext) -> Match | Reason:
