@@ -192,6 +192,25 @@ def test_a_declared_range_keeps_the_chunks_whose_slices_it_proves(fresh_compiles
         assert remat.remat_pass.chunked == 1 and region.count == slices and not constrained
 
 
+def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):
+    """`mark_unbacked` leaves the shape environment no hint of the length: the importer read the
+    hints from the deprecated `var_to_val` when torch 2.13's `backed_var_to_val` was empty, and
+    the user got torch's FutureWarning from remat. With no size to plan at, the chunk is refused."""
+    import torch._dynamo.decorators as decorators
+
+    model = gpt(replace(CFG, dropout=0.0, batch=2))
+    remat = fx_backend.backend(strict=True)
+    inputs = tuple(t[:2].clone() for t in inputs_of(128))
+    for t in inputs:
+        decorators.mark_unbacked(t, 1, min=2, max=128)
+    loss, grads, _ = training_step(model, torch.compile(model, backend=remat), inputs)
+    want_loss, want_grads, _ = training_step(model, model, inputs)
+    assert relative_error(loss, want_loss) < 1e-4
+    assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning) and "var_to_val" in str(w.message)]
+    assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0
+
+
 @pytest.mark.parametrize("largest", [None, 128])
 def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_the_traced_ones(
         fresh_compiles, recwarn, largest):

@@ -219,7 +219,8 @@ def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:
 
     bounds: dict[str, tuple[int, int | None]] = {}
     for symbol, env in _placeholder_symbols(graph):
-        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val     # torch 2.13 / 2.11
+        # torch 2.13 / 2.11 (an empty dict where every symbol is unbacked: 2.13 warns on var_to_val)
+        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
         hint = hints.get(symbol)
         if hint is None:
             continue
