@@ -192,6 +192,26 @@ def test_a_declared_range_keeps_the_chunks_whose_slices_it_proves(fresh_compiles
         assert remat.remat_pass.chunked == 1 and region.count == slices and not constrained
 
 
+def test_a_declared_range_with_a_dynamic_batch_is_one_graph_for_every_batch(fresh_compiles):
+    """A dynamic batch and a length with min and max: the tokens cannot be sliced (no count divides
+    `b*s`), and slices of whole sequences would be a fixed count of a dynamic batch whose guards
+    (`b // 3`, one row left) fail at the next batch size, compiling again up to Dynamo's limit.
+    The region is refused with the notice instead, and one graph serves every batch."""
+    model = gpt(replace(CFG, dropout=0.0))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=True)
+    for batch in (3, 2):
+        inputs = [t[:1].expand(batch, -1).clone() for t in inputs_of(128)]
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=128)
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4, batch
+        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, batch
+    [notice] = [n for n in remat.remat_pass.notices if "declared as a constraint" in n]
+    assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0, notice
+
+
 def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):
     """`mark_unbacked` leaves the shape environment no hint of the length: the importer read the
     hints from the deprecated `var_to_val` when torch 2.13's `backed_var_to_val` was empty, and

@@ -926,16 +926,23 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
         try:
             grower = _Grower(match, action, ctx, elide=elide)
             try:
-                return grower.grow(action)
+                region = grower.grow(action)
             except _TwoPhases as once:
                 one_phase = once.why
                 grower = _Grower(match, action, ctx, two_phase=True, elide=elide)
                 try:
-                    return grower.grow(action)
+                    region = grower.grow(action)
                 except (RefusedDynamic, RefusedConstrained):
                     raise       # in two phases it chunks at other sizes: what the user can change
                 except Refused as e:
                     raise (one_phase or e) from None
+            if isinstance(refused, RefusedConstrained) and not is_static(region.extent or 1):
+                # Rows over a declared range refused, the groups are a dynamic count (the batch):
+                # slices of a few groups each guard that count (1 row left, `b // 3`), and every
+                # batch size would compile again, up to Dynamo's recompile limit. The user hears
+                # of the range instead, whose way out slices the rows.
+                break
+            return region
         except Refused as e:
             refused = refused or e
             if grower is None or not grower.elided:
