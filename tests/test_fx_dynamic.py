@@ -212,6 +212,37 @@ def test_a_declared_range_with_a_dynamic_batch_is_one_graph_for_every_batch(fres
     assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0, notice
 
 
+class _ShiftedHead(torch.nn.Module):
+    """A label shift as many training scripts write it: sliced, then reshaped, no `.contiguous()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(CFG.vocab, 64), torch.nn.Linear(64, CFG.vocab, bias=False)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, CFG.vocab), targets[:, 1:].reshape(-1))
+
+
+def test_a_label_shift_reshaped_without_a_copy_chunks_at_dynamic_lengths(fresh_compiles):
+    """At a dynamic length the reshape of the shifted logits reads `sym_size(slice, 1)`, the
+    slice's length: the region took that size in with the slice, and the size, read outside,
+    left it neither sliced nor summed, so the loss ran whole with no word. The sizes an
+    intermediate's shape gives are read from the inputs' sizes (normalize.sizes_read_from_inputs)."""
+    model = _ShiftedHead()
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat)
+    for length in (128, 100):
+        inputs = _mark_lengths(inputs_of(length), None)
+        loss, grads, _ = training_step(model, compiled, inputs)
+        want_loss, want_grads, _ = training_step(model, model, inputs)
+        assert relative_error(loss, want_loss) < 1e-4, length
+        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
+    [chunking] = remat.remat_pass.chunk_results
+    [region] = chunking.chunks      # in whole sequences: a slice of the tokens would start inside one
+    assert remat.remat_pass.chunked == 1 and len(region.chunks) == CFG.batch
+
+
 def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):
     """`mark_unbacked` leaves the shape environment no hint of the length: the importer read the
     hints from the deprecated `var_to_val` when torch 2.13's `backed_var_to_val` was empty, and

@@ -52,7 +52,7 @@ from .chunk import _propagate_fake, apply_chunk
 from .free_memory import FreeMemoryUnknown, free_bytes, input_device, optimizer_reserve, trainable_bytes
 from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
 from .modules import working_module
-from .normalize import strided_copies_as_clones
+from .normalize import sizes_read_from_inputs, strided_copies_as_clones
 from .replay import build_replay
 
 
@@ -92,6 +92,7 @@ class FxBuilder:
         copy.output(copy.graph_copy(self.graph, {}))
         self.work = working_module(self.owner if self.owner is not None else {}, copy)
         strided_copies_as_clones(self.work.graph)
+        sizes_read_from_inputs(self.work.graph)
         self.two_phase = False
         self.rebuilt = False        # nodes added other than chunk calls (a replay's)
         self.replaced = {}

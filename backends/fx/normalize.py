@@ -9,6 +9,8 @@ from torch import fx
 from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from engine.errors import GraphError
+
 aten = torch.ops.aten
 
 
@@ -42,6 +44,41 @@ def strided_copies_as_clones(graph: fx.Graph) -> int:
         node.replace_all_uses_with(clone)
         graph.erase_node(node)
         _erase_if_unused(graph, dst)
+        rewritten += 1
+    return rewritten
+
+
+def sizes_read_from_inputs(graph: fx.Graph) -> int:
+    """`sym_size(v, d)` of a value the graph computes, as the same size computed from the
+    graph's inputs' sizes (backends.fx.sizes); the number rewritten. AOTAutograd reads a size of
+    an intermediate where a shape needs it: a label shift's `logits[:, :-1].reshape(-1, V)` at a
+    dynamic length reads `sym_size(slice, 1)`, `s - 1`, for the reshape and for its backward. A
+    chunk region that computes the slice took the size in with it, and its whole value, read
+    outside, has no place in the slices ("leaves the region neither sliced nor summed"): the
+    loss ran whole. A size of no input (a data-dependent one) stays as it is."""
+    from .sizes import SizeNodes
+
+    sizes = SizeNodes(graph)
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sym_size.int or not node.args:
+            continue
+        val = node.meta.get("val")
+        source = node.args[0]
+        if not isinstance(val, torch.SymInt) or not isinstance(source, fx.Node) or source.op == "placeholder":
+            continue
+        before = set(graph.nodes)
+        try:
+            with graph.inserting_before(node):
+                size = sizes.size(val)
+        except GraphError:
+            continue
+        for made in graph.nodes:         # the arithmetic's values, as the importer reads them
+            if made not in before and "val" not in made.meta:
+                made.meta["val"] = made.target(*(a.meta["val"] if isinstance(a, fx.Node) else a
+                                                 for a in made.args))
+        node.replace_all_uses_with(size)
+        graph.erase_node(node)
         rewritten += 1
     return rewritten
 
