@@ -28,6 +28,14 @@ def inputs_of(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, CFG.vocab, shape, generator=g), torch.randint(0, CFG.vocab, shape, generator=g)
 
 
+def _matches_eager(model, compiled, inputs, where=None) -> None:
+    """One training step of `compiled` on `inputs`: its loss and gradients within 1e-4 of eager's."""
+    loss, grads, _ = training_step(model, compiled, inputs)
+    want_loss, want_grads, _ = training_step(model, model, inputs)
+    assert relative_error(loss, want_loss) < 1e-4, where
+    assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, where
+
+
 def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn):
     """`dynamic=True`. (`mark_dynamic`, the other way to one compile: the tests of a declared
     largest size below; automatic dynamic shapes, where a second length recompiles:
@@ -114,10 +122,7 @@ def test_attention_chunks_at_dynamic_lengths(fresh_compiles):
     g = torch.Generator().manual_seed(0)
     for length in (512, 401):
         inputs = [torch.randint(0, 4096, (4, length), generator=g) for _ in range(2)]
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs)
-        assert relative_error(loss, want_loss) < 1e-4, length
-        assert max(relative_error(a, b) for a, b in zip(grads, want_grads)) < 1e-4, length
+        _matches_eager(model, compiled, inputs, length)
     keys = [r.key for result in remat.remat_pass.chunk_results for r in result.chunks]
     assert "MatMul+Softmax+" in keys and not remat.remat_pass.failures
 
@@ -142,10 +147,7 @@ def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh
     compiled = torch.compile(model, backend=remat)
     for length in (32, 100):
         inputs = _mark_lengths(inputs_of(length), largest)
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs)
-        assert relative_error(loss, want_loss) < 1e-4, length
-        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
+        _matches_eager(model, compiled, inputs, length)
     [result] = remat.remat_pass.results
     assert list(result.graph.dim_examples.values()) == [largest or 32]
     longer = [n for n in remat.remat_pass.notices if "it would apply from about" in n]
@@ -177,10 +179,7 @@ def test_a_declared_range_keeps_the_chunks_whose_slices_it_proves(fresh_compiles
         inputs = [torch.randint(0, CFG.vocab, (batch, length), generator=g) for _ in range(2)]
         for t in inputs:
             torch._dynamo.mark_dynamic(t, 1, min=2, max=largest)
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs)
-        assert relative_error(loss, want_loss) < 1e-4, length
-        assert max(relative_error(a, b) for a, b in zip(grads, want_grads)) < 1e-4, length
+        _matches_eager(model, compiled, inputs, length)
     constrained = [n for n in remat.remat_pass.notices if "declared as a constraint" in n]
     if slices is None:
         [notice] = constrained
@@ -204,10 +203,7 @@ def test_a_declared_range_with_a_dynamic_batch_is_one_graph_for_every_batch(fres
         inputs = [t[:1].expand(batch, -1).clone() for t in inputs_of(128)]
         for t in inputs:
             torch._dynamo.mark_dynamic(t, 1, min=2, max=128)
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs)
-        assert relative_error(loss, want_loss) < 1e-4, batch
-        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, batch
+        _matches_eager(model, compiled, inputs, batch)
     [notice] = [n for n in remat.remat_pass.notices if "declared as a constraint" in n]
     assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0, notice
 
@@ -234,10 +230,7 @@ def test_a_label_shift_reshaped_without_a_copy_chunks_at_dynamic_lengths(fresh_c
     compiled = torch.compile(model, backend=remat)
     for length in (128, 100):
         inputs = _mark_lengths(inputs_of(length), None)
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs)
-        assert relative_error(loss, want_loss) < 1e-4, length
-        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
+        _matches_eager(model, compiled, inputs, length)
     [chunking] = remat.remat_pass.chunk_results
     [region] = chunking.chunks      # in whole sequences: a slice of the tokens would start inside one
     assert remat.remat_pass.chunked == 1 and len(region.chunks) == CFG.batch
@@ -254,10 +247,7 @@ def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_
     inputs = tuple(t[:2].clone() for t in inputs_of(128))
     for t in inputs:
         decorators.mark_unbacked(t, 1, min=2, max=128)
-    loss, grads, _ = training_step(model, torch.compile(model, backend=remat), inputs)
-    want_loss, want_grads, _ = training_step(model, model, inputs)
-    assert relative_error(loss, want_loss) < 1e-4
-    assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4
+    _matches_eager(model, torch.compile(model, backend=remat), inputs)
     assert not [w for w in recwarn if issubclass(w.category, FutureWarning) and "var_to_val" in str(w.message)]
     assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0
 
