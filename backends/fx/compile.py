@@ -24,6 +24,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import sympy
 import torch
@@ -418,30 +419,8 @@ class RematPass(CustomGraphPass):
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
             self.chunk_results.append(done.chunk_result)
-            refusals = [r for r in done.chunk_result.planning.refusals if r.reason.dynamic_sizes]
-            unproven = {r.match.rule.name: r.reason.unproven_sizes for r in refusals if r.reason.unproven_sizes}
-            if unproven:
-                sources = size_sources(builder.graph)
-                for rule, sizes in sorted(unproven.items()):
-                    self._notice(_unproven_notice(rule, sizes, sources))
-            static = {r.match.rule.name: r.reason.message for r in refusals if r.match.rule.name not in unproven}
-            if static:
-                self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)),
-                                                   why=next(iter(static.values()))))
-            constrained = {r.match.rule.name: r.reason.constrained_dims for r in done.chunk_result.planning.refusals
-                           if r.reason.constrained_dims}
-            if constrained:
-                dims = {d for found in constrained.values() for d in found}
-                self._notice(CONSTRAINED_SIZES.format(rules=", ".join(sorted(constrained)),
-                                                      size=_size_name(dims, size_sources(builder.graph))))
-            returned = {r.match.rule.name: r.reason.returned_values for r in done.chunk_result.planning.refusals
-                        if r.reason.returned_values}
-            if returned:
-                self._notice(_returned_notice(returned, done.chunk_result.planning.graph))
-            longer = {r.match.rule.name: r.reason for r in done.chunk_result.planning.refusals
-                      if r.reason.longer_inputs}
-            if longer:
-                self._notice(_longer_notice(longer, done.chunk_result.planning.graph, size_sources(builder.graph)))
+            self._chunk_notices(done.chunk_result.planning.refusals, done.chunk_result.planning.graph,
+                                size_sources(builder.graph))
         self.results.append(done.result)
         self.chunked += done.chunked
         for message in done.not_built:
@@ -454,6 +433,30 @@ class RematPass(CustomGraphPass):
             functorch_config.donated_buffer = False
         if self.report is not None:
             self.report(done.report())
+
+    def _chunk_notices(self, refusals: list, graph: Graph, sources: dict[str, str]) -> None:
+        """Tell the user, once each, of the chunk regions refused for what they can change: sizes
+        dynamic or named apart, a declared range, a loss outside the graph, longer inputs."""
+        def refused(field: Callable[[Reason], Any]) -> dict:
+            return {r.match.rule.name: field(r.reason) for r in refusals if field(r.reason)}
+
+        dynamic = [r for r in refusals if r.reason.dynamic_sizes]
+        unproven = {r.match.rule.name: r.reason.unproven_sizes for r in dynamic if r.reason.unproven_sizes}
+        for rule, sizes in sorted(unproven.items()):
+            self._notice(_unproven_notice(rule, sizes, sources))
+        static = {r.match.rule.name: r.reason.message for r in dynamic if r.match.rule.name not in unproven}
+        if static:
+            self._notice(DYNAMIC_CHUNKS.format(rules=", ".join(sorted(static)), why=next(iter(static.values()))))
+        constrained = refused(lambda reason: reason.constrained_dims)
+        if constrained:
+            dims = {d for found in constrained.values() for d in found}
+            self._notice(CONSTRAINED_SIZES.format(rules=", ".join(sorted(constrained)), size=_size_name(dims, sources)))
+        returned = refused(lambda reason: reason.returned_values)
+        if returned:
+            self._notice(_returned_notice(returned, graph))
+        longer = refused(lambda reason: reason if reason.longer_inputs else None)
+        if longer:
+            self._notice(_longer_notice(longer, graph, sources))
 
     def uuid(self) -> str:
         key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"

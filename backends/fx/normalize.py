@@ -67,16 +67,18 @@ def sizes_read_from_inputs(graph: fx.Graph) -> int:
         source = node.args[0]
         if not isinstance(val, torch.SymInt) or not isinstance(source, fx.Node) or source.op == "placeholder":
             continue
-        before = set(graph.nodes)
+        prev = node.prev
         try:
             with graph.inserting_before(node):
                 size = sizes.size(val)
         except GraphError:
             continue
-        for made in graph.nodes:         # the arithmetic's values, as the importer reads them
-            if made not in before and "val" not in made.meta:
+        made = prev.next
+        while made is not node:     # the arithmetic's values, as the importer reads them
+            if "val" not in made.meta:
                 made.meta["val"] = made.target(*(a.meta["val"] if isinstance(a, fx.Node) else a
                                                  for a in made.args))
+            made = made.next
         node.replace_all_uses_with(size)
         graph.erase_node(node)
         rewritten += 1

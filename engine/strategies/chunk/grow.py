@@ -947,7 +947,4 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
             refused = refused or e
             if grower is None or not grower.elided:
                 break           # nothing was skipped: growing again would refuse alike
-    return Reason(action.location, str(refused), dynamic_sizes=isinstance(refused, RefusedDynamic),
-                  unproven_sizes=refused.sizes if isinstance(refused, RefusedUnproven) else None,
-                  constrained_dims=refused.dims if isinstance(refused, RefusedConstrained) else (),
-                  returned_values=refused.values if isinstance(refused, RefusedReturned) else ())
+    return Reason(action.location, str(refused), **refused.reason_fields())

@@ -73,11 +73,18 @@ MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elemen
 class Refused(Exception):
     """A region cannot be chunked; the message names the op and why."""
 
+    def reason_fields(self) -> dict[str, Any]:
+        """What the Reason for this refusal records beside its message (engine.matcher.Reason)."""
+        return {}
+
 
 class RefusedDynamic(Refused):
     """A region refused only because the chunked dim's size is symbolic (a graph compiled for
     every size) where its slices must be built at static sizes: the same region at fixed sizes
     would chunk (Reason.dynamic_sizes)."""
+
+    def reason_fields(self) -> dict[str, Any]:
+        return {"dynamic_sizes": True}
 
 
 class RefusedUnproven(RefusedDynamic):
@@ -89,6 +96,9 @@ class RefusedUnproven(RefusedDynamic):
         super().__init__(message)
         self.sizes = sizes
 
+    def reason_fields(self) -> dict[str, Any]:
+        return {**super().reason_fields(), "unproven_sizes": self.sizes}
+
 
 class RefusedConstrained(Refused):
     """A region whose slices would be sized by dims with a declared range every guard must
@@ -98,6 +108,9 @@ class RefusedConstrained(Refused):
         super().__init__(message)
         self.dims = dims
 
+    def reason_fields(self) -> dict[str, Any]:
+        return {"constrained_dims": self.dims}
+
 
 class RefusedReturned(Refused):
     """A region whose every large value the step returns (the logits of a graph whose loss is
@@ -106,6 +119,9 @@ class RefusedReturned(Refused):
     def __init__(self, message: str, values: tuple[str, ...]):
         super().__init__(message)
         self.values = values
+
+    def reason_fields(self) -> dict[str, Any]:
+        return {"returned_values": self.values}
 
 
 @dataclass
