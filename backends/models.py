@@ -31,6 +31,9 @@ class GPTConfig:
     # The label shift of transformers before 4.46 and of many training scripts: the loss reads
     # logits[:, :-1] against targets[:, 1:] (the sequence sliced between the head and the loss).
     label_shift: bool = False
+    # Cross-entropy on `logits.transpose(1, 2)`, the (N, C, L) form some training scripts write:
+    # the tokens are two dims apart there, the batch first and the sequence last.
+    ncl_loss: bool = False
     # nanoGPT's and transformers' return: the logits beside the loss, `(logits, loss)`. The logits
     # are then a graph output, and their gradient an incoming one added to the loss's.
     return_logits: bool = False
@@ -95,7 +98,10 @@ class GPT(nn.Module):
         returned = logits
         if self.cfg.label_shift:
             logits, targets = logits[:, :-1].contiguous(), targets[:, 1:].contiguous()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        if self.cfg.ncl_loss:
+            loss = F.cross_entropy(logits.transpose(1, 2), targets)
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return (returned, loss) if self.cfg.return_logits else loss
 
     def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ to measure, one thread):
 
 Prints a table, then the remat/original peak ratio last.
 
-    python bench/onnx_gpt.py [--vocab 4096 --batch 8 --layers 4 --d-model 256 --seq 512] [--label-shift]
+    python bench/onnx_gpt.py [--vocab 4096 --batch 8 --layers 4 --d-model 256 --seq 512] [--label-shift] [--ncl-loss]
 """
 from __future__ import annotations
 
@@ -49,9 +49,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--label-shift", action="store_true",
                     help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
+    ap.add_argument("--ncl-loss", action="store_true",
+                    help="cross-entropy on logits.transpose(1, 2), the (N, C, L) form")
     args = ap.parse_args()
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                    seq=args.seq, batch=args.batch, label_shift=args.label_shift)
+                    seq=args.seq, batch=args.batch, label_shift=args.label_shift, ncl_loss=args.ncl_loss)
     tmp = Path(tempfile.mkdtemp(prefix="remat-bench-"))
     path, grad_error = export_gpt(cfg, tmp / "gpt.onnx")
     feeds = dict(np.load(path.with_suffix(".inputs.npz")))

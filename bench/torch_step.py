@@ -109,7 +109,7 @@ def child(name: str, args) -> dict:
     estimates = estimate_partitions()
     cfg = GPTConfig(vocab=args.vocab, batch=args.batch, layers=args.layers, d_model=args.d_model,
                     heads=args.heads, seq=args.seq, attention=args.attention, label_shift=args.label_shift,
-                    return_logits=args.return_logits, dropout=args.dropout)
+                    ncl_loss=args.ncl_loss, return_logits=args.return_logits, dropout=args.dropout)
     model = (nanogpt(args) if args.nanogpt else gpt(cfg)).to(device)
     inputs = [t.to(device) for t in gpt(cfg).example_inputs()]
     if name == "checkpoint":
@@ -254,6 +254,9 @@ def main() -> None:
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--label-shift", action="store_true",
                     help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
+    ap.add_argument("--ncl-loss", action="store_true",
+                    help="cross-entropy on logits.transpose(1, 2), the (N, C, L) form (hand-chunked: the "
+                         "same loss on the flat logits)")
     ap.add_argument("--return-logits", action="store_true",
                     help="the model returns (logits, loss), as nanoGPT and transformers do; the step "
                          "backpropagates the loss")
@@ -279,8 +282,8 @@ def main() -> None:
         unfit = [c for c in args.configs if c in ("checkpoint", "hand-chunked")]
         if unfit:
             ap.error(f"--nanogpt: {', '.join(unfit)} reach into this repository's GPT; leave them out (--configs)")
-        if args.attention != "explicit" or args.label_shift:
-            ap.error("--nanogpt runs nanoGPT's model as written: no --attention or --label-shift")
+        if args.attention != "explicit" or args.label_shift or args.ncl_loss:
+            ap.error("--nanogpt runs nanoGPT's model as written: no --attention, --label-shift or --ncl-loss")
         args.return_logits = True
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -345,7 +348,8 @@ def main() -> None:
     model_name = "nanoGPT" if args.nanogpt else "GPT-like"
     print(f"{model_name}: vocab {args.vocab}, batch {args.batch}, {args.layers} layers, d {args.d_model}, "
           f"seq {args.seq}, {'SDPA' if args.nanogpt else args.attention} attention"
-          f"{', label shift' if args.label_shift else ''}{', returns (logits, loss)' if args.return_logits else ''}"
+          f"{', label shift' if args.label_shift else ''}{', (N, C, L) loss' if args.ncl_loss else ''}"
+          f"{', returns (logits, loss)' if args.return_logits else ''}"
           f"{', length dynamic (a shorter first batch)' if args.vary_length else ''}"
           f"{f', dropout {args.dropout}' if args.dropout else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")

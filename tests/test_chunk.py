@@ -314,19 +314,54 @@ class ShiftHead(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-@pytest.mark.parametrize("batch,count,drop,slices", [(4, 4, "last", 4), (4, 3, "last", 2), (3, 8, "first", 3)])
-def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batch, count, drop, slices):
+@pytest.mark.parametrize("batch,count,drop", [(4, 4, "last"), (4, 2, "last"), (2, 2, "first")])
+def test_a_label_shift_chunks_in_whole_batch_rows(fresh_compiles, tmp_path, batch, count, drop):
     """`logits[..., :-1, :]` slices the sequence of (batch, seq, vocab), where the head's tokens
     are (batch * seq): the slices of tokens have no place there unless they are whole batch
-    rows. The region makes them so (granule = seq): the loss's tokens are (batch * (seq - 1)),
-    each slice its rows' share, and the gradient's zero row (slice_scatter) is padded per slice."""
+    rows. Where there are at least as many rows as slices, the region makes them so (granule =
+    seq): the loss's tokens are (batch * (seq - 1)), each slice its rows' share, and the
+    gradient's zero row (slice_scatter) is padded per slice."""
     torch.manual_seed(0)
     seq = 24
     model = ShiftHead(16, 300, drop)
     inputs = _softcap_inputs(batch, seq, 16, 300)
     region = _one_region_as_eager(model, inputs, tmp_path, count)
-    assert region.granule == seq and sum(region.chunks) == batch * seq and len(region.chunks) == slices
+    assert region.granule == seq and sum(region.chunks) == batch * seq and len(region.chunks) == count
     assert all(size % seq == 0 for size in region.chunks)
+
+
+class NCLHead(nn.Module):
+    """Cross-entropy on `logits.transpose(1, 2)`, the (N, C, L) form: the tokens are two dims
+    apart there, the batch first and the sequence last."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x).transpose(1, 2), labels)
+
+
+def _sliced_in_each_row(region, batch: int, seq: int, count: int, tail: int = 0) -> None:
+    """The region slices the sequence inside every batch row (Rows.outer): `count` slices of
+    the sequence, and the head's rows (batch * seq) as `batch` groups of them."""
+    assert region.granule == 1 and sum(region.chunks) == seq and len(region.chunks) == count, region.chunks
+    assert {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, batch}
+    assert region.edges == (0, tail)
+
+
+@pytest.mark.parametrize("loss,batch,count", [("ncl", 2, 4), ("ncl", 3, 5), ("shift", 2, 3), ("shift", 3, 8)])
+def test_fewer_batch_rows_than_slices_slice_the_sequence_inside_each_row(fresh_compiles, tmp_path, loss, batch,
+                                                                          count):
+    """Whole batch rows are fewer than the slices the rule asks for (the (N, C, L) loss, or a
+    label shift, at batch 2 or 3): the region slices the sequence inside every row instead, so
+    each slice holds `batch` runs of its positions, as many slices as the rule asks for.
+    Before, the slices were the batch rows (2 or 3 of them, each a sequence of logits)."""
+    torch.manual_seed(0)
+    seq = 24
+    model = NCLHead(16, 300) if loss == "ncl" else ShiftHead(16, 300, "last")
+    region = _one_region_as_eager(model, _softcap_inputs(batch, seq, 16, 300), tmp_path, count)
+    _sliced_in_each_row(region, batch, seq, count, tail=int(loss == "shift"))
 
 
 @settings(max_examples=5, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -347,9 +382,12 @@ def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_comp
         head, tail = region.edges
         assert sum(region.chunks) == seq and min(region.chunks) >= 1
         assert region.chunks[0] > head and region.chunks[-1] > tail
-    else:               # whole batch rows
+    elif count <= batch:    # whole batch rows
         assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
-        assert len(region.chunks) == len(range(0, batch, -(-batch // min(count, batch))))
+        assert len(region.chunks) == len(range(0, batch, -(-batch // count)))
+    else:                   # fewer rows than slices: the sequence, inside every row
+        assert region.granule == 1 and sum(region.chunks) == seq
+        assert {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, batch}
 
 
 @pytest.mark.parametrize("drop, edges", [("last", (0, 1)), ("first", (1, 0))])
@@ -472,8 +510,9 @@ class ChainHead(nn.Module):
 @example(steps=("cap", "per_position"))
 def test_elementwise_chains_between_the_reshapes_chunk_and_match_eager(
         tmp_path_factory, fresh_compiles, steps):
-    """Any chain of elementwise steps between the two reshapes: the loss is chunked (in whole
-    batch rows when a step broadcasts by position), and the numbers are eager's."""
+    """Any chain of elementwise steps between the two reshapes: the loss is chunked (the
+    sequence sliced inside each batch row when a step broadcasts by position), and the numbers
+    are eager's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = ChainHead(steps)
@@ -484,8 +523,10 @@ def test_elementwise_chains_between_the_reshapes_chunk_and_match_eager(
     [result] = remat.remat_pass.chunk_results
     assert remat.remat_pass.chunked == 1, result.report()
     [region] = result.chunks
-    # by position: in whole batch rows; else the slices skip the reshape, as fine as the tokens
-    assert region.granule == (24 if "per_position" in steps else 1) and bool(region.elided) != ("per_position" in steps)
+    # by position: the sequence sliced inside each batch row (2 rows, 3 slices); else the slices
+    # skip the reshape, as fine as the tokens
+    assert region.granule == 1 and bool(region.elided) != ("per_position" in steps)
+    assert {m.rows.outer for m in region.meta.values()} == ({1, 2} if "per_position" in steps else {1})
     assert relative_error(loss, want_loss) <= 1e-4
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) <= 1e-4

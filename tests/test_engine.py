@@ -547,6 +547,30 @@ def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     assert shifted_bounds(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold
 
 
+def test_rows_in_groups_are_sliced_inside_every_group_and_follow_reshapes():
+    """A value holding `outer` groups of the chunked rows (the flat logits of 2 batch rows, the
+    sequence chunked): a slice holds its rows of every group, in the shape that splits the dim;
+    a reshape moves such rows to the dim after which as many elements follow, its groups
+    counted there."""
+    from engine.strategies.chunk import ChunkMeta, Rows, grouped
+    from engine.strategies.chunk.kinds import grouped_dim
+
+    rows = Rows(outer=2, tail=1)                   # 2 rows of logits[:, :-1] of a sequence of 10
+    assert rows.total(10) == 18 and rows.span(4, 10, 10) == (4, 9) and rows.scale(3) == 6
+    meta = ChunkMeta(0, rows=rows)
+    assert meta.length(4, 10, 10) == 10            # 5 rows of each of the 2 sequences
+    assert grouped(meta, (18, 300)) == ((2, 9, 300), ChunkMeta(1, rows=Rows(tail=1)))
+    # (tokens, vocab) -> (batch, seq, vocab) with the sequence chunked: dim 1, one group; and back
+    assert grouped_dim((48, 300), (2, 24, 300), 0, 24) == (1, 1)
+    assert grouped_dim((2, 24, 300), (48, 300), 1, 24) == (0, 2)
+    # the (N, C, L) form's (N, C, 1, L) view: the sequence is the last dim, after no element
+    assert grouped_dim((2, 300, 24), (2, 300, 1, 24), 2, 24) == (3, 1)
+    # the batch as the chunked rows is the leading dim of a group, not the lowest: no such dim
+    assert grouped_dim((48, 300), (2, 24, 300), 0, 48) is None
+    assert grouped_dim((48, 300), (2, 24, 300), 0, 5) is None          # 24 is not whole groups of 5
+    assert grouped_dim(("s", 300), (2, 300), 0, 2) is None             # symbolic: never
+
+
 @pytest.mark.parametrize("whole_first", [True, False])
 def test_an_outside_value_read_sliced_and_whole_in_one_region_is_refused(whole_first):
     """The backends slice an input from outside a chunk region once for all the region's readers:

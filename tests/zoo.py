@@ -967,7 +967,8 @@ FIXED: list[Variant] = [
       norm="rms_hand", mlp="swiglu", loss="ce_sum", rope="complex", train="lora",
       expect=CHUNKS + ("recompute_elementwise",)),
     # HF's label shift: the 3-d logits are sliced along the sequence before the reshape to
-    # (tokens, vocab): the loss chunk runs in slices of whole batch rows (2 here).
+    # (tokens, vocab): the loss chunk slices the sequence inside each of the 2 batch rows (fewer
+    # rows than the rule's 4 slices; Rows.outer).
     # ... with the embeddings frozen (tied: the head's weight too, so no weight gradient of the head).
     V("gpt_scaleq_triu_rmsmodule_gelutanh_tied_flinear_shift_frozen", scale="scale_q", mask="triu",
       norm="rms_module", mlp="gelu_tanh", tied=True, logits="f_linear", loss="ce_shift", train="frozen_embed",
@@ -992,7 +993,7 @@ FIXED: list[Variant] = [
     # seed. (Under fallback_random, eager's numbers: tests/test_fx_dropout.py, and test_chunk.py's
     # refusal of the attention chunk there.)
     # The z-loss's logsumexp over the (batch, seq, vocab) logits: more than the slices of tokens can
-    # run in that shape, so the loss chunk runs in whole batch rows.
+    # run in that shape, so the loss chunk slices the sequence inside each batch row.
     V("gpt_dropout_train_z_loss_seq", dropout=True, dropout_p=0.1, random="inductor", tiers=("expensive",),
       loss="z_loss_seq", expect=CHUNKS + ("recompute_dropout",)),
     V("gpt_baddbmm_softmax_dtype_dropout_returns_logits_ce_hand", scale="baddbmm", precision="softmax_dtype",
@@ -1016,7 +1017,7 @@ FIXED: list[Variant] = [
     V("gpt_autocast_all_nn_mha_graph_break", precision="autocast_all", scale="nn_mha", graph_break=True,
       expect=("chunk_linear_cross_entropy",)),
     # ... with cross-entropy on the (batch, vocab, seq) logits (the (N, C, L) form): the tokens are
-    # two dims apart there, and the loss chunk runs in slices of whole batch rows.
+    # two dims apart there, and the loss chunk slices the sequence inside each batch row.
     V("gpt_2layers_checkpoint_expensive_div_float_ncl", layers=2, checkpoint=True, scale="div_float",
       loss="ce_ncl", tiers=("expensive",), expect=CHUNKS + ("recompute_activation", "recompute_norm", "recompute_matmul")),
     # Scores divided and masked in place (`div_`, `+=`): AOTAutograd's backward copies them into
@@ -1064,8 +1065,9 @@ def implied_rules(variant: Variant) -> tuple[str, ...]:
     rules = []
     # Every loss of LOSSES: softcap's elementwise ops between the two reshapes run in the slices'
     # shape (engine/strategies/chunk/grow.py, include_reshaped); ce_shift's slice along the
-    # sequence, and z_loss_seq's logsumexp over the (batch, seq, vocab) logits, run in slices of
-    # whole batch rows (BATCH is 2); ce_hand's gradient is a scatter_add into zeros.
+    # sequence, z_loss_seq's logsumexp over the (batch, seq, vocab) logits and ce_ncl's (N, C, L)
+    # layout run in slices of the sequence inside each batch row (BATCH is 2, fewer rows than
+    # slices); ce_hand's gradient is a scatter_add into zeros.
     if variant.returns == "loss":
         rules.append("chunk_linear_cross_entropy")
     drawn = variant.dropout and variant.dropout_p > 0 and variant.random == "eager"

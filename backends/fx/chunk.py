@@ -22,7 +22,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from engine.errors import GraphError
 from engine.order import order_near
-from engine.strategies.chunk import ChunkMeta, ChunkRegion, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkRegion, grouped, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
 from .exact_sums import count_broadcast_sums
@@ -138,8 +138,31 @@ def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, ro
     of its unit's, as _rewire slices them: a size written with other symbols, proven equal)."""
     if meta.dim is None:
         return t
-    return aten.slice.Tensor(t, meta.dim, *piece.bounds(meta, t.shape[meta.dim] if rows is None else rows,
-                                                         groups=groups))
+    return _slice_rows(lambda f, *args: f(*args), t, tuple(t.shape), meta,
+                       piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups))
+
+
+def _slice_rows(call, x, shape: tuple, meta: ChunkMeta, bounds: tuple):
+    """`x`'s rows `bounds` along its chunk dim, through `call(op, *args)` (an fx node or a
+    fake tensor): where the dim holds groups of the chunked rows (Rows.outer), the rows of
+    every group, in the shape that splits them (engine `grouped`), then as one dim again."""
+    if meta.rows.outer == 1:
+        return call(aten.slice.Tensor, x, meta.dim, *bounds)
+    split, inner = grouped(meta, shape)
+    rows = call(aten.slice.Tensor, call(aten.reshape.default, x, list(split)), inner.dim, *bounds)
+    flat = list(shape)
+    flat[meta.dim] = meta.rows.outer * (bounds[1] - bounds[0])
+    return call(aten.reshape.default, rows, flat)
+
+
+def _join_rows(call, pieces: list, shape: tuple, meta: ChunkMeta):
+    """The slices of an output along its chunk dim, side by side: where the dim holds groups of
+    the chunked rows, joined inside every group (the inverse of _slice_rows)."""
+    if meta.rows.outer == 1:
+        return call(aten.cat.default, pieces, meta.dim)
+    split, inner = grouped(meta, shape)
+    parts = [call(aten.reshape.default, p, [*split[:inner.dim], -1, *split[inner.dim + 1:]]) for p in pieces]
+    return call(aten.reshape.default, call(aten.cat.default, parts, inner.dim), list(shape))
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -254,11 +277,13 @@ class _Read:
 
     meta: ChunkMeta
     reshaped: tuple | None = None
+    shape: tuple = ()       # the shape it is sliced or joined in: `reshaped`, or its own
 
 
 def _read(region: ChunkRegion, v, by_name: dict[str, fx.Node]) -> _Read:
     like = region.shaped_like(v)
-    return _Read(region.meta_of(v), None if like is v else tuple(_fx(like.name, by_name).meta["val"].shape))
+    shape = tuple(_fx(like.name, by_name).meta["val"].shape)
+    return _Read(region.meta_of(v), None if like is v else shape, shape)
 
 
 def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_meta: list[_Read],
@@ -299,6 +324,9 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                 emitted[f, a, b] = graph.call_function(f, (a, b))
             return emitted[f, a, b]
 
+        def node(f, *args):
+            return graph.call_function(f, args)
+
         for piece in _slices(region):
             args = []
             for x, r in zip(operands, input_meta):
@@ -310,8 +338,8 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     rows[m.unit] = graph.call_function(aten.sym_size.int, (x, m.dim))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
-                args.append(graph.call_function(aten.slice.Tensor,
-                                                (x, m.dim, *piece.bounds(m, rows.get(m.unit), emit, groups))))
+                args.append(_slice_rows(node, x, r.shape, m,
+                                        piece.bounds(m, rows.get(m.unit), emit, groups)))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
@@ -325,7 +353,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         combined = {}
         for k, (orig, r) in enumerate(zip(outputs, output_meta)):
             m = r.meta
-            whole = sums[k] if m.need_sum else graph.call_function(aten.cat.default, (pieces[k], m.dim))
+            whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m)
             if r.reshaped is not None:      # computed in the shape from before a skipped reshape
                 whole = graph.call_function(aten.reshape.default, (whole, shapes.shape(orig.meta["val"].shape)))
             if m.scaled:

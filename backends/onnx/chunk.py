@@ -32,7 +32,7 @@ from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.order import order_near, producers
 from engine.shapes import Dim, simplify
-from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, grouped, shifted_bounds
 from engine.strategies.chunk.kinds import int_param
 from engine.strategies.replay import instantiate
 
@@ -295,9 +295,17 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         if shaped is not v:     # read in the shape from before a skipped reshape (ChunkRegion.reshaped_to)
             whole = g.add("Reshape", [v, g.const(f"{v.name}_shape", np.array(region.reshaped_to(v), np.int64))],
                           f"{v.name}_reshaped", v.dtype, shaped.shape)
-        axis = g.const("slice_axis", np.array([m.dim % _rank(shaped)], np.int64))
+        flat = _sliced_shape(shaped, m, run)
+        if m.rows.outer != 1:   # groups of the chunked rows: sliced inside each (Rows.outer)
+            split, m = grouped(m, tuple(shaped.shape))
+            whole = g.add("Reshape", [whole, g.const(f"{v.name}_groups", np.array(split, np.int64))],
+                          f"{v.name}_grouped", v.dtype, split)
+        axis = g.const("slice_axis", np.array([m.dim % _rank(whole)], np.int64))
         env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
-                           _sliced_shape(shaped, m, run))
+                           _sliced_shape(whole, m, run))
+        if env[id(v)].shape != flat:
+            env[id(v)] = g.add("Reshape", [env[id(v)], g.const(f"{v.name}_slice_shape", np.array(flat, np.int64))],
+                               f"{v.name}_slice_rows", v.dtype, flat)
     elided = {id(n) for n in region.elided}
 
     def sliced(o: Value) -> Value:
@@ -460,9 +468,17 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
         raise GraphError("slices of a dynamic size run as Loops only, not unrolled")
     sums = [o for o in phase.outputs if region.meta_of(o).need_sum]
     scans = [o for o in phase.outputs if not region.meta_of(o).need_sum]   # sliced: the grower refuses others
-    # the shape each has in the slices: its own, or the one from before a skipped reshape
-    shaped = [region.shaped_like(o) for o in scans]
-    scan_dims = [region.meta_of(o).dim % _rank(like) for o, like in zip(scans, shaped)]
+    # the shape each has in the slices: its own, or the one from before a skipped reshape; one
+    # of groups of the chunked rows joins its slices in the shape that splits them (Rows.outer)
+    own = [region.shaped_like(o) for o in scans]
+    shaped = list(own)
+    scan_meta = [region.meta_of(o) for o in scans]
+    flat = [None] * len(scans)          # the grouped outputs' own meta, their slices' shape
+    for k, (o, like, m) in enumerate(zip(scans, shaped, scan_meta)):
+        if m.rows.outer != 1:
+            split, scan_meta[k] = grouped(m, tuple(like.shape))
+            flat[k], shaped[k] = m, Value(names(f"{o.name}_groups"), o.dtype, split)
+    scan_dims = [m.dim % _rank(like) for m, like in zip(scan_meta, shaped)]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
                     {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if o.has_static_shape
@@ -478,18 +494,20 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             for it in range(run.count):
                 totals, sliced = _inline(g, body, it, totals)
                 for k, s in enumerate(sliced):
-                    pieces[k].append(s)
+                    pieces[k].append(_in_groups(g, s, shaped[k], scan_meta[k], run) if flat[k] else s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
                          (run.count_dim, *_sliced_shape(like, region.meta_of(o), run)))
-                   for o, like in zip(scans, shaped)]
+                   for o, like in zip(scans, own)]
         trip = run.count if isinstance(run.count, Value) else g.const("trip_count", np.array(run.count, np.int64))
         g.nodes.append(Node("Loop", [trip, None, *totals], [*outs, *stacked], {}, names("chunk_loop"),
                             {"body": body}))
         totals = outs
         for k, (o, s, dim, like) in enumerate(zip(scans, stacked, scan_dims, shaped)):
-            pieces[k].append(_unstack(g, s, like, dim, run, region.meta_of(o)))
+            if flat[k]:
+                s = _in_groups(g, s, like, scan_meta[k], run, stacked=True)
+            pieces[k].append(_unstack(g, s, like, dim, run, scan_meta[k]))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
     for o, parts, dim, like in zip(scans, pieces, scan_dims, shaped):
@@ -519,6 +537,14 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
         env.update((id(o), new) for o, new in zip(node.outputs, outs))
     results = [env[id(v)] for v in body.outputs[1:]]
     return results[:len(carried)], results[len(carried):]
+
+
+def _in_groups(g: _Graph, piece: Value, like: Value, meta: ChunkMeta, run: _Run, stacked: bool = False) -> Value:
+    """A slice of an output of groups of the chunked rows (or the Loop's stack of them), its
+    rows (groups x rows) split into the shape `like` joins them in (engine `grouped`)."""
+    shape = (*((run.count_dim,) if stacked else ()), *_sliced_shape(like, meta, run))
+    return g.add("Reshape", [piece, g.const(f"{like.name}_slice_groups", np.array(shape, np.int64))],
+                 f"{piece.name}_grouped", piece.dtype, shape)
 
 
 def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: ChunkMeta) -> Value:

@@ -59,7 +59,7 @@ from ...patterns import Chunk
 from ...shapes import evaluate, free_dims, is_static, simplify
 from ..replay import BoundReplay, bound_replay
 from .kinds import (DTYPE_ONLY, TYPE_ONLY, Refused, RefusedConstrained, RefusedDynamic, RefusedReturned,
-                    RefusedUnproven, attr_text, dim_map, norm_dim, rank_of, same_size)
+                    RefusedUnproven, attr_text, dim_map, grouped_dim, norm_dim, rank_of, same_size)
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, as_unit, even_slices, phase_outputs, row_edges,
                      slice_sizes, unit_denominator, unit_formula)
 
@@ -192,8 +192,11 @@ class GraphIndex:
 
 class _Grower:
     def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False,
-                 elide: bool = True):
+                 elide: bool = True, groups: int = 1):
         self.match = match
+        # > 1: the captured rows are `groups` groups (batch rows) of the chunked rows (a sequence),
+        # sliced inside every group (Rows.outer; grow_chunk)
+        self.groups = groups
         self.two_phase = two_phase
         self.elide = elide          # skip a reshape the slices have no place in (include)
         self.ctx = ctx
@@ -225,7 +228,7 @@ class _Grower:
             rank = rank_of(v)
             if not -rank <= action.dim < rank:
                 raise Refused(f"chunk dim {action.dim} is out of range for %{v.name} ({name}), of rank {rank}")
-            self.meta[id(v)] = ChunkMeta(norm_dim(action.dim, rank))
+            self.meta[id(v)] = ChunkMeta(norm_dim(action.dim, rank), rows=Rows(outer=groups))
             self.inputs[id(v)] = v
 
     def _bytes(self, v: Value) -> float:
@@ -269,6 +272,7 @@ class _Grower:
         if kind == "reshape":
             m = self.meta.get(id(inputs[0]))
             if (self.elide and m is not None and m.dim is not None and m.dim not in dm.maps[0].values()
+                    and self.grouped(self.reshaped.get(id(inputs[0]), inputs[0]), node.outputs[0], m) is None
                     and node.outputs[0].users
                     and all(self.kind_or_none(u) in ("reshape", "pointwise") for u in node.outputs[0].users)):
                 # (tokens, vocab) -> (batch, seq, vocab) -> (tokens, vocab): the slice has no
@@ -295,7 +299,10 @@ class _Grower:
                 continue
             o = next((o for o, d in dm.maps[i].items() if d == m.dim), None)
             got_rows = m.rows
-            if o is not None:
+            moved = self.grouped(self.reshaped.get(id(v), v), node.outputs[0], m) if kind == "reshape" else None
+            if moved is not None:
+                (got_dim, got_rows), got_sum = moved, False
+            elif o is not None:
                 got_dim, got_sum = o, False
             elif (i, m.dim) in dm.regrouped:
                 got_dim, factor = dm.regrouped[(i, m.dim)]
@@ -399,6 +406,10 @@ class _Grower:
             group = next((g for g in dm.summed if any(
                 (j, (self.meta.get(id(inputs[j])) or ChunkMeta()).dim) in g for j in range(len(inputs)))), [])
             return next((d for j, d in group if j == i), None), out_rows
+        if self.kind(node) == "reshape" and i == 0:
+            moved = self.grouped(node.outputs[0], inputs[0], ChunkMeta(out_dim, rows=out_rows))
+            if moved is not None:
+                return moved
         if dm.maps[i].get(out_dim) is not None:
             return dm.maps[i][out_dim], out_rows
         for (j, d), (o, factor) in dm.regrouped.items():    # needed in whole rows of the group
@@ -408,6 +419,21 @@ class _Grower:
             if j == i and o == out_dim:
                 return d, self.shift(node, out_rows, -lead, -tail)
         return None, out_rows
+
+    def grouped(self, src: Value, out: Value, meta: ChunkMeta) -> tuple[int, Rows] | None:
+        """Where a reshape from `src` (sliced as `meta` says) to `out` (or back) keeps the
+        chunked rows as the lowest part of a dim (kinds.grouped_dim), that dim and its rows:
+        (tokens, vocab) -> (batch, seq, vocab) where the region slices the sequence (Rows.outer),
+        and back. None otherwise, and over symbolic sizes."""
+        rows = meta.rows
+        if rows.unit != 1 or not is_static(self.size) or src.shape is None or out.shape is None:
+            return None
+        per = self._at_examples(self.size) - rows.lead - rows.tail
+        found = grouped_dim(tuple(src.shape), tuple(out.shape), meta.dim, per)
+        if found is None:
+            return None
+        dim, outer = found
+        return dim, replace(rows, outer=outer)
 
     def regroup(self, node: Node, rows: Rows, factor: Any) -> Rows:
         """The rows after a reshape that groups the chunked dim with others (DimMap.regrouped).
@@ -419,9 +445,9 @@ class _Grower:
             raise RefusedDynamic(f"{node.op} {node.name} groups the chunked dim, of the symbolic size "
                                  f"{self.size}, with others: slices of whole groups are built at static "
                                  f"sizes only on this backend")
-        if rows.shifted:
+        if rows.shifted or rows.outer != 1:
             raise Refused(f"{node.op} {node.name} groups the chunked dim with others after a slice "
-                          f"along it: the slices cannot be whole groups")
+                          f"along it, or as groups of its rows: the slices cannot be whole groups")
         return replace(rows, unit=as_unit(unit_formula(rows.unit) * unit_formula(factor)))
 
     def shift(self, node: Node, rows: Rows, lead: int, tail: int) -> Rows:
@@ -432,7 +458,7 @@ class _Grower:
         if not is_static(self.size):
             raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
                                  f"{self.size}: slices that start or end inside it are built at static sizes only")
-        if rows.unit != 1:
+        if rows.unit != 1 or rows.outer != 1:
             raise Refused(f"{node.op} {node.name} slices the chunked dim, which a reshape before it "
                           f"groups with others")
         shifted = Rows(lead=rows.lead + lead, tail=rows.tail + tail)
@@ -558,6 +584,10 @@ class _Grower:
         over = [self.match.value(n) for n in action.captures]
         first = over[0]
         self.size = first.shape[norm_dim(action.dim, rank_of(first))]
+        if self.groups != 1:
+            if not is_static(self.size) or self.size % self.groups:
+                raise Refused(f"the {self.size} rows of %{first.name} are not {self.groups} groups of rows")
+            self.size //= self.groups
         self.include(root)
         if self.meta[id(root.outputs[0])].need_sum:
             raise Refused(f"slicing %{first.name} along dim {action.dim} slices the dim {root.op} {root.name} "
@@ -602,6 +632,7 @@ class _Grower:
         inputs = sorted(self.inputs.values(), key=lambda v: self.position.get(id(v.producer), -1))
         tangent, chain = (None, []) if self.two_phase else self.tangent_chain(inputs)
         count, formula = self.count(action)
+        self.requested = count
         denominators = [unit_denominator(m.unit) for m in self.meta.values() if m.dim is not None]
         granule = math.lcm(*denominators) if all(isinstance(d, int) for d in denominators) else \
             simplify(functools.reduce(sympy.lcm, map(sympy.sympify, denominators)))
@@ -916,6 +947,25 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     if match.root.chunk_slice:
         return Reason(action.location, f"{match.root.op} {match.root.name} already runs one slice of a "
                                        f"chunk region")
+    try:
+        region, requested = _grow(match, action, ctx)
+    except Refused as refused:
+        return Reason(action.location, str(refused), **refused.reason_fields())
+    if region.granule != 1 and region.extent is None and len(region.chunks) < requested:
+        # Whole groups (batch rows) are fewer than the slices the rule asks for (the (N, C, L)
+        # loss, a label shift, at batch 2): the rows are sliced inside every group instead, where
+        # the region allows it (Rows.outer).
+        try:
+            inside, _ = _grow(match, action, ctx, groups=sum(region.chunks) // region.granule)
+        except Refused:
+            return region
+        if len(inside.chunks) > len(region.chunks):
+            return inside
+    return region
+
+
+def _grow(match: Match, action: Chunk, ctx: MatchContext, groups: int = 1) -> tuple[ChunkRegion, int]:
+    """The region, and the slice count the rule asked for; Refused with the first reason."""
     refused = None
     # A reshape the slices have no place in is skipped first (slices as fine as the chunked dim
     # allows); where what runs in the skipped shape is more than the slices can compute there
@@ -924,12 +974,12 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     for elide in (True, False):
         grower = None
         try:
-            grower = _Grower(match, action, ctx, elide=elide)
+            grower = _Grower(match, action, ctx, elide=elide, groups=groups)
             try:
                 region = grower.grow(action)
             except _TwoPhases as once:
                 one_phase = once.why
-                grower = _Grower(match, action, ctx, two_phase=True, elide=elide)
+                grower = _Grower(match, action, ctx, two_phase=True, elide=elide, groups=groups)
                 try:
                     region = grower.grow(action)
                 except (RefusedDynamic, RefusedConstrained):
@@ -942,9 +992,9 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
                 # batch size would compile again, up to Dynamo's recompile limit. The user hears
                 # of the range instead, whose way out slices the rows.
                 break
-            return region
+            return region, grower.requested
         except Refused as e:
             refused = refused or e
             if grower is None or not grower.elided:
                 break           # nothing was skipped: growing again would refuse alike
-    return Reason(action.location, str(refused), **refused.reason_fields())
+    raise refused

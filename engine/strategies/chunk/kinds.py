@@ -6,6 +6,7 @@ backend's arguments that way.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -323,6 +324,22 @@ def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Any]]:
                     found[i] = (o, Fraction(d_out, d) if static else sympy.cancel(sympy.sympify(d_out) / d))
                 break
     return found
+
+
+def grouped_dim(src: tuple, out: tuple, dim: int, per: int) -> tuple[int, int] | None:
+    """Where a reshape from `src` to `out` puts dim `dim` of `src`, whose index is
+    `g * per + r` for `r` a row of the chunked value (groups of `per` rows, Rows.outer): the
+    dim of `out` after which as many elements follow (the same stride), if its size is whole
+    groups of `per` rows, with its number of groups ((tokens, vocab) -> (batch, seq, vocab)
+    with the sequence chunked, per = seq: dim 0 of the tokens -> dim 1, 1 group; the way back,
+    dim 1 -> dim 0, `batch` groups). Static shapes only; None where no such dim is."""
+    if not all(isinstance(d, int) for d in (*src, *out)) or not 0 <= dim < len(src) or per < 1:
+        return None
+    after = math.prod(src[dim + 1:])
+    for o in range(len(out)):
+        if math.prod(out[o + 1:]) == after:
+            return (o, out[o] // per) if out[o] % per == 0 and out[o] >= per else None
+    return None
 
 
 def _broadcast(v: Value, out: Value, dims: int) -> dict[int, int]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -57,11 +57,18 @@ class Rows:
     `logits[:-1]`) keeps the chunked rows [lead, size - tail), row for row: its row r is row
     r + lead of the chunked value, and a slice of the chunked value holds the part of the
     value that falls in it (the first slice `lead` rows fewer, the last `tail` fewer). Either
-    the unit or the lead and tail, never both: the grower refuses the mix."""
+    the unit or the lead and tail, never both: the grower refuses the mix.
+    `outer`: the dim holds `outer` groups of those rows one after another, as the flat
+    (tokens, vocab) logits hold the sequence of each batch row where the region slices the
+    sequence inside every row (the (N, C, L) loss at batch 2): rows [a, b) of the chunked value
+    are rows [g * n + a, g * n + b) of each group g of n rows. Not strided rows of a memory
+    layout: the backends slice and join such a value in the shape that splits its dim into
+    (outer, n), `grouped`. Static sizes only, with a unit of one."""
 
     unit: Fraction | sympy.Expr = Fraction(1)    # a formula where a reshape groups by a symbolic size
     lead: int = 0
     tail: int = 0
+    outer: int = 1
 
     @property
     def shifted(self) -> bool:
@@ -75,18 +82,23 @@ class Rows:
 
     def span(self, start: Any, end: Any, size: Any) -> tuple[Any, Any]:
         """This value's own rows for rows [start, end) of the chunked value, whose size is
-        `size` (formulas when dynamic: then the unit is 1 and nothing is shifted)."""
+        `size` (formulas when dynamic: then the unit is 1 and nothing is shifted); in each group
+        where it holds `outer` of them."""
         if self.shifted:
             lo, hi = self.window(start, end, size)
             return lo - self.lead, hi - self.lead
+        if self.outer != 1:
+            return start, end
         return self.scale(start), self.scale(end)
 
     def total(self, size: Any) -> Any:
         """This value's rows when the chunked value has `size`."""
         lo, hi = self.span(0, size, size)
-        return hi - lo
+        return (hi - lo) * self.outer
 
     def scale(self, rows: Any) -> Any:
+        if self.outer != 1:
+            return rows * self.outer
         if self.unit == 1:
             return rows
         if not isinstance(self.unit, Fraction) or isinstance(rows, sympy.Expr):
@@ -154,7 +166,17 @@ class ChunkMeta:
     def length(self, start: Any, end: Any, size: Any) -> Any:
         """How many of its rows a slice [start, end) of the chunked value holds."""
         lo, hi = self.span(start, end, size)
-        return hi - lo
+        return (hi - lo) * self.rows.outer
+
+
+def grouped(meta: ChunkMeta, shape: tuple) -> tuple[tuple, ChunkMeta]:
+    """A value of `shape` whose chunk dim holds groups of the chunked rows (Rows.outer), in the
+    shape that splits that dim into (groups, rows per group), and its meta there, the rows
+    sliced along the second: the backends slice such an input, and join such an output's
+    slices, in that shape."""
+    dim, outer = meta.dim % len(shape), meta.rows.outer
+    split = (*shape[:dim], outer, shape[dim] // outer, *shape[dim + 1:])
+    return split, replace(meta, dim=dim + 1, rows=replace(meta.rows, outer=1))
 
 
 @dataclass
