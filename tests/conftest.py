@@ -63,7 +63,7 @@ def pytest_configure(config):
 # either way. A vectorized kernel is dearer to compile: g++ instantiates the header's AVX-512
 # templates in every one (0.38 s of CPU in a trivial kernel that takes 0.5 s, against 0.17 s scalar).
 # test_fx_backend.py with test_fx_dropout.py, no Inductor cache: 142.2 s of CPU vectorized, 89.3 and
-# 94.2 s scalar. The processes a test spawns (test_data_parallel.py's ranks) compile vectorized.
+# 94.2 s scalar. test_data_parallel.py's ranks patch it themselves; test_pipeline_run.py's compile vectorized.
 VECTORIZED = ("test_zoo.py", "test_zoo_random.py", "test_hf_models.py")
 
 

@@ -44,7 +44,10 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     reference(*inputs).backward()
     want = [p.grad for p in reference.module.parameters()]
     results = {}
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    # Scalar C++ kernels, as the suite's own compiles (tests/conftest.py: a vectorized kernel is
+    # dearer to compile, and the ranks' plans and numbers hold either way).
+    with inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}), \
+            functorch_config.patch(enable_autograd_cache=False):
         model = fresh()
         remat = fx_backend.backend(strict=True)
         ddp = DDP(model)        # held: a DDP dropped before backward would average nothing

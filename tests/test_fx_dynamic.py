@@ -268,8 +268,8 @@ def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_t
         assert not unbounded
 
 
-@pytest.mark.parametrize("dynamic", [None, True])
-def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_compiles, recwarn, dynamic):
+@pytest.mark.parametrize("dynamic,loss", [(None, "shift"), (True, "shift"), (None, "ncl")])
+def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_compiles, recwarn, dynamic, loss):
     """`logits[:, :-1]` against `targets[:, 1:]` (transformers before 4.46, many training scripts):
     the tokens' rows are grouped into (batch, seq) and back into batch x (seq - 1), so the slices
     must be whole sequences, whose rows are a formula (the reshape's unit, 1/s0). The region is
@@ -277,8 +277,10 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     sequence a formula (s0, s0 - 1). A dynamic length keeps the batch static (4 sequences:
     the length marked dynamic here, the graph automatic dynamic shapes make at a second length);
     dynamic=True makes it a symbol too. Before, both were refused (the reshape "does not carry
-    dim 0"), and the loss ran whole from the second length on."""
-    model = gpt(replace(CFG, dropout=0.0, label_shift=True))
+    dim 0"), and the loss ran whole from the second length on. The (N, C, L) loss, whose
+    (batch, vocab, seq) logits are sliced along the static batch, crashed AOTAutograd's partitioner
+    (a sym_size node of the batch's int)."""
+    model = gpt(replace(CFG, dropout=0.0, label_shift=loss == "shift", ncl_loss=loss == "ncl"))
     remat = fx_backend.backend(strict=True)
     compiled = torch.compile(model, backend=remat, dynamic=dynamic)
     for length in (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15):

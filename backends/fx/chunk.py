@@ -335,7 +335,11 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     args.append(x)
                     continue
                 if piece.dynamic and m.unit not in rows:
-                    rows[m.unit] = graph.call_function(aten.sym_size.int, (x, m.dim))
+                    # A static dim (the batch, sliced in whole rows over a dynamic sequence) is its
+                    # number: a sym_size node of an int is a graph the partitioner refuses.
+                    size = r.shape[m.dim]
+                    rows[m.unit] = size if isinstance(size, int) else graph.call_function(aten.sym_size.int,
+                                                                                          (x, m.dim))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
                 args.append(_slice_rows(node, x, r.shape, m,
