@@ -146,9 +146,9 @@ def test_a_label_shift_runs_in_whole_batch_rows_in_the_loop(exporter, drop, batc
     assert error <= 1e-4, where
 
 
-@pytest.mark.parametrize("exporter", ["make-fx", "aot-joint"])
-@pytest.mark.parametrize("loss,batch,count,unrolled", [("ncl", 2, 4, False), ("ncl", 3, 5, True),
-                                                      ("shift", 2, 5, False)])
+@pytest.mark.parametrize("exporter,loss,batch,count,unrolled", [
+    ("make-fx", "ncl", 2, 4, False), ("aot-joint", "ncl", 2, 4, False), ("make-fx", "ncl", 3, 5, True),
+    ("aot-joint", "shift", 2, 5, False)])
 def test_fewer_batch_rows_than_slices_slice_the_sequence_inside_each_row_in_the_loop(exporter, loss, batch, count,
                                                                                      unrolled):
     """As on torch (test_chunk.py): the (N, C, L) loss and a label shift at batch 2 or 3 run

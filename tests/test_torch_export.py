@@ -329,6 +329,32 @@ def test_a_python_read_of_a_tensor_value_is_named_where_it_is(tmp_path):
     assert "tracing_mode" not in text
 
 
+def test_a_plain_tensor_attribute_is_named_with_the_way_to_export_it(tmp_path):
+    """Class weights kept as a plain attribute (not a buffer): AOTAutograd's joint export traces
+    them as a real tensor among fake ones, and torch's assertion said only "Please convert all
+    Tensors to FakeTensors first". The error now says what the tensor is and what to do."""
+    from backends.onnx.torch_export import export_checked
+    from engine.errors import RematError
+
+    class Weighted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 5)
+            self.classes = torch.rand(5) + 0.5
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y, weight=self.classes)
+
+    inputs = (torch.randn(6, 4), torch.randint(0, 5, (6,)))
+    with pytest.raises(RematError) as err:
+        export_checked(Weighted(), inputs, tmp_path / "w.onnx", ["x", "y"], exporter="aot-joint")
+    text = str(err.value)
+    assert "neither a parameter, a buffer nor an input" in text and "register_buffer" in text, text
+    assert "test_torch_export.py:" in text and "in forward" in text, text
+    path, _ = export_checked(Weighted(), inputs, tmp_path / "m.onnx", ["x", "y"])     # make-fx exports it
+    assert path.exists()
+
+
 class _SdpaAttention(torch.nn.Module):
     """Causal attention through F.scaled_dot_product_attention (Hugging Face's default), with
     dropout on the probabilities and grouped key/value heads."""

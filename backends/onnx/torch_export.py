@@ -841,6 +841,9 @@ _REMAT_DIRS = tuple(str(Path(__file__).resolve().parents[2] / package) + "/" for
 # What torch raises where traced code reads a tensor's value in Python (`if t:`, `t.item()`,
 # `x in t`): make_fx's message, and torch's exceptions for a value its fake tensors cannot give.
 _DATA_DEPENDENT = ("_local_scalar_dense", "DataDependentOutputException", "GuardOnDataDependentSymNode")
+# What FakeTensorMode raises where a traced op meets a real tensor: AOTAutograd's joint export keeps
+# a module's plain tensor attribute (not a parameter or buffer) as a constant of the trace.
+_REAL_TENSOR = "Please convert all Tensors to FakeTensors first"
 
 
 def model_frame(exc: BaseException) -> str | None:
@@ -877,6 +880,12 @@ def export_failure(exporter: str, exc: BaseException) -> str:
                 f"Python{at} (an `if` on a tensor, `.item()`, `x in tensor`), which a traced training step "
                 "cannot hold; compute it with tensor ops, or give the step the input that makes the "
                 f"model skip it{padding}")
+    if _REAL_TENSOR in text:
+        at = f" at {where}" if where else ""
+        return (f"the {exporter} exporter could not export the step: the model uses a tensor{at} that is "
+                "neither a parameter, a buffer nor an input (a plain tensor attribute, such as class weights "
+                "kept as `self.w = torch.tensor(...)`), which this exporter traces as a real tensor among "
+                "fake ones; register it with `self.register_buffer(...)`, or export with make-fx")
     return f"the {exporter} exporter could not export the step ({text}){f' at {where}' if where else ''}"
 
 
