@@ -14,6 +14,7 @@ from backends.fx.importer import import_fx  # noqa: E402
 from backends.fx.saved import relative_error, training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
 from engine.apply import plan  # noqa: E402
+from engine.strategies.chunk import slice_sizes  # noqa: E402
 from ir_graphs import CHUNK_HEAD_RULE as CHUNK_RULE  # noqa: E402
 
 
@@ -369,6 +370,7 @@ def test_fewer_batch_rows_than_slices_slice_the_sequence_inside_each_row(fresh_c
        drop=st.sampled_from(["last", "first"]))
 @example(batch=1, seq=7, count=6, drop="last")
 @example(batch=1, seq=5, count=5, drop="last")
+@example(batch=2, seq=5, count=3, drop="last")
 def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_compiles, tmp_path_factory, batch,
                                                                         seq, count, drop):
     torch._dynamo.reset()
@@ -385,9 +387,13 @@ def test_label_shifts_of_any_size_chunk_in_whole_rows_and_match_eager(fresh_comp
     elif count <= batch:    # whole batch rows
         assert region.granule == seq and all(size % seq == 0 for size in region.chunks)
         assert len(region.chunks) == len(range(0, batch, -(-batch // count)))
-    else:                   # fewer rows than slices: the sequence, inside every row
-        assert region.granule == 1 and sum(region.chunks) == seq
-        assert {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, batch}
+    else:                   # fewer rows than slices: the sequence inside every row, where that gives more
+        inside = len(slice_sizes(seq, count, 1, *((0, 1) if drop == "last" else (1, 0))))
+        if inside > batch:
+            assert region.granule == 1 and len(region.chunks) == inside and sum(region.chunks) == seq
+            assert {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, batch}
+        else:               # 2 rows of 5, 3 slices: [2, 3] inside (a last slice of 1 keeps no row)
+            assert region.granule == seq and len(region.chunks) == batch
 
 
 @pytest.mark.parametrize("drop, edges", [("last", (0, 1)), ("first", (1, 0))])

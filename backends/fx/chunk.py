@@ -282,7 +282,7 @@ class _Read:
 
 def _read(region: ChunkRegion, v, by_name: dict[str, fx.Node]) -> _Read:
     like = region.shaped_like(v)
-    shape = tuple(_fx(like.name, by_name).meta["val"].shape)
+    shape = tuple(getattr(_fx(like.name, by_name).meta["val"], "shape", ()))      # () for a size read
     return _Read(region.meta_of(v), None if like is v else shape, shape)
 
 

@@ -376,9 +376,13 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
                     if kind == "reduction" else _numel(reads[n][0]) if reads[n] else None)
             kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
             if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
-                elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
-                kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0])) for a in n.all_input_nodes)
-                                     if id(v) not in elsewhere]
+                by_index = _read_at_index(n, fused, reads)
+                if by_index is not None:
+                    kernel.overwrites = [v for v, same in by_index.values() if same and _numel(v) == _numel(reads[n][0])]
+                else:
+                    elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
+                    kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0]))
+                                                           for a in n.all_input_nodes) if id(v) not in elsewhere]
             kernels.append(kernel)
     nodes = []
     allocated: set[int] = set()
@@ -580,6 +584,109 @@ def _union(groups) -> list[Value]:
         for v in group:
             seen.setdefault(id(v), v)
     return list(seen.values())
+
+
+class _Symbolic(Exception):
+    """A size or stride on the way is a formula: _read_at_index leaves the kernel to the rule by
+    views (program's same_index)."""
+
+
+def _static_tensor(val) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride(),
+                                                                              val.storage_offset()))
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tuple[Value, bool]] | None:
+    """Each buffer the kernel computing `node` (one contiguous output, element by element) reads,
+    and whether it reads it only at the element it writes, so it may write over it: followed
+    through views by their strides and through the pointwise values the kernel computes inside
+    as permutations of its own dims. A permute there and its inverse further on read the same
+    element (the (N, C, L) loss: the logits permuted to (batch, vocab, seq) for the log-softmax,
+    its gradient permuted back before the head's matmul, which Inductor writes over the logits).
+    A slice_scatter at its own index (_scatters_at_its_index) reads its source at the elements it
+    writes first. None at symbolic sizes."""
+    val = node.meta.get("val")
+    if not _static_tensor(val) or not val.is_contiguous():
+        return None
+    out_strides = _contiguous_strides(tuple(val.shape))
+    found: dict[int, tuple[Value, bool]] = {}
+
+    def note(buffers, same: bool) -> None:
+        for v in buffers:
+            before = found.get(id(v))
+            found[id(v)] = (v, same and (before is None or before[1]))
+
+    def walk(x: fx.Node, dims: tuple, space: tuple, wanted: tuple) -> None:
+        """`x` read at the kernel's element of coordinates `space` (its dims the kernel's `dims`,
+        None for a dim of size 1); `wanted`: the strides over the kernel's dims of size > 1 at
+        which a buffer is read at the element the kernel writes."""
+        x_val = x.meta.get("val")
+        if not _static_tensor(x_val):
+            raise _Symbolic
+        big = [k for k, d in enumerate(space) if d > 1]
+
+        def over_kernel(v) -> tuple:
+            strides = [0] * len(space)
+            for j, k in enumerate(dims):
+                if k is not None:
+                    strides[k] += v.stride()[j]
+            return tuple(strides[k] for k in big)
+
+        if _is_view(x):
+            root = x
+            while _is_view(root) and isinstance(root.args[0], fx.Node):
+                root = root.args[0]
+            root_val = root.meta.get("val")
+            if not _static_tensor(root_val):
+                raise _Symbolic
+            strides, offset = over_kernel(x_val), x_val.storage_offset() - root_val.storage_offset()
+            if root.name not in fused or _is_view(root):
+                note(reads.get(root, []), strides == wanted and offset == 0)
+                return
+            # a value the kernel computes: its element at its own contiguous index
+            own = [(st, j) for j, (st, d) in enumerate(zip(_contiguous_strides(tuple(root_val.shape)),
+                                                            root_val.shape)) if d > 1]
+            by_stride = dict(zip(strides, big))
+            if offset or sorted(strides) != sorted(st for st, _ in own) or len(by_stride) != len(big):
+                note(reads.get(root, []), False)
+                return
+            root_dims = [None] * len(root_val.shape)
+            for st, j in own:
+                root_dims[j] = by_stride[st]
+            walk(root, tuple(root_dims), space, wanted)
+        elif x.name in fused:
+            for y in x.all_input_nodes:
+                y_val = y.meta.get("val")
+                if isinstance(y_val, torch.Tensor) and tuple(y_val.shape) == tuple(x_val.shape):
+                    walk(y, dims, space, wanted)
+                else:
+                    note(reads.get(y, []), False)
+        else:
+            note(reads.get(x, []), over_kernel(x_val) == wanted and x_val.storage_offset() == 0)
+
+    sources = {node.args[1]} if _scatters_at_its_index(node) else set()
+    try:
+        for arg in node.all_input_nodes:
+            arg_val = arg.meta.get("val")
+            at_index = isinstance(arg_val, torch.Tensor) and (tuple(arg_val.shape) == tuple(val.shape)
+                                                              or arg in sources)
+            if not at_index:
+                note(reads.get(arg, []), False)
+                continue
+            space = tuple(arg_val.shape)
+            wanted = tuple(st for st, d in zip(out_strides, space) if d > 1)
+            walk(arg, tuple(range(len(space))), space, wanted)
+    except _Symbolic:
+        return None
+    return found
 
 
 def _writes_in_place(node: fx.Node) -> bool:
