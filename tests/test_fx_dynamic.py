@@ -36,6 +36,18 @@ def _matches_eager(model, compiled, inputs, where=None) -> None:
     assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, where
 
 
+def _compiled_matches_eager_at(model, lengths, largest=None, dynamic=None):
+    """`model` compiled with remat (strict), stepped at each length (the length marked dynamic,
+    up to `largest`; with `dynamic=True` unmarked), each step's loss and gradients eager's.
+    Returns the remat pass."""
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=dynamic)
+    for length in lengths:
+        inputs = inputs_of(length) if dynamic else _mark_lengths(inputs_of(length), largest)
+        _matches_eager(model, compiled, inputs, length)
+    return remat.remat_pass
+
+
 def test_one_compile_serves_three_sequence_lengths(fresh_compiles, recwarn):
     """`dynamic=True`. (`mark_dynamic`, the other way to one compile: the tests of a declared
     largest size below; automatic dynamic shapes, where a second length recompiles:
@@ -143,25 +155,21 @@ def test_a_dynamic_graph_is_planned_for_the_largest_size_the_user_declares(fresh
     at 128 (the rules' guards, the slice count, the budget), so the loss chunk is built; with no
     bound it is planned at the traced size, and the user hears that longer inputs would chunk."""
     model = gpt(replace(CFG, dropout=0.0))
-    remat = fx_backend.backend(strict=True)
-    compiled = torch.compile(model, backend=remat)
-    for length in (32, 100):
-        inputs = _mark_lengths(inputs_of(length), largest)
-        _matches_eager(model, compiled, inputs, length)
-    [result] = remat.remat_pass.results
+    remat_pass = _compiled_matches_eager_at(model, (32, 100), largest)
+    [result] = remat_pass.results
     assert list(result.graph.dim_examples.values()) == [largest or 32]
-    longer = [n for n in remat.remat_pass.notices if "it would apply from about" in n]
+    longer = [n for n in remat_pass.notices if "it would apply from about" in n]
     if largest is None:
-        assert remat.remat_pass.chunked == 0
+        assert remat_pass.chunked == 0
         [notice] = longer       # 8 MiB of logits at 32 tokens a sequence, 16 MiB at 64
         assert notice.startswith("remat: chunk_linear_cross_entropy not applied") and "2x those sizes" in notice \
             and ".size(1) = 32" in notice and ".size(1) = 64" in notice \
             and "torch._check(" in notice and ".size(1) <= N) in the forward" in notice, notice
     else:
         assert not longer
-        [chunking] = remat.remat_pass.chunk_results
+        [chunking] = remat_pass.chunk_results
         [region] = chunking.chunks
-        assert remat.remat_pass.chunked == 1 and region.extent.free_symbols
+        assert remat_pass.chunked == 1 and region.extent.free_symbols
 
 
 @pytest.mark.parametrize("batch, largest, slices", [(2, 128, 2), (1, 256, None)])
@@ -226,14 +234,10 @@ def test_a_label_shift_reshaped_without_a_copy_chunks_at_dynamic_lengths(fresh_c
     left it neither sliced nor summed, so the loss ran whole with no word. The sizes an
     intermediate's shape gives are read from the inputs' sizes (normalize.sizes_read_from_inputs)."""
     model = _ShiftedHead()
-    remat = fx_backend.backend(strict=True)
-    compiled = torch.compile(model, backend=remat)
-    for length in (128, 100):
-        inputs = _mark_lengths(inputs_of(length), None)
-        _matches_eager(model, compiled, inputs, length)
-    [chunking] = remat.remat_pass.chunk_results
+    remat_pass = _compiled_matches_eager_at(model, (128, 100))
+    [chunking] = remat_pass.chunk_results
     [region] = chunking.chunks      # in whole sequences: a slice of the tokens would start inside one
-    assert remat.remat_pass.chunked == 1 and len(region.chunks) == CFG.batch
+    assert remat_pass.chunked == 1 and len(region.chunks) == CFG.batch
 
 
 def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):
@@ -281,17 +285,10 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     (batch, vocab, seq) logits are sliced along the static batch, crashed AOTAutograd's partitioner
     (a sym_size node of the batch's int)."""
     model = gpt(replace(CFG, dropout=0.0, label_shift=loss == "shift", ncl_loss=loss == "ncl"))
-    remat = fx_backend.backend(strict=True)
-    compiled = torch.compile(model, backend=remat, dynamic=dynamic)
-    for length in (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15):
-        inputs = inputs_of(length) if dynamic else _mark_lengths(inputs_of(length), None)
-        loss, grads, _ = training_step(model, compiled, inputs)
-        want_loss, want_grads, _ = training_step(model, model, inputs_of(length))
-        assert relative_error(loss, want_loss) < 1e-4, length
-        assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, length
-    regions = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
+    remat_pass = _compiled_matches_eager_at(model, (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15), dynamic=dynamic)
+    regions = [r for result in remat_pass.chunk_results for r in result.chunks]
     dynamic_regions = [r for r in regions if r.extent is not None]
-    assert len(dynamic_regions) == 1 and remat.remat_pass.chunked == len(regions)
+    assert len(dynamic_regions) == 1 and remat_pass.chunked == len(regions)
     [region] = dynamic_regions
     units = {m.unit for m in region.meta.values() if m.dim is not None}
     assert any(isinstance(u, sympy.Expr) and u.free_symbols for u in units)   # rows per sequence

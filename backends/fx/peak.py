@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
@@ -596,14 +597,6 @@ def _static_tensor(val) -> bool:
                                                                               val.storage_offset()))
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
-
-
 def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tuple[Value, bool]] | None:
     """Each buffer the kernel computing `node` (one contiguous output, element by element) reads,
     and whether it reads it only at the element it writes, so it may write over it: followed
@@ -616,7 +609,7 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tup
     val = node.meta.get("val")
     if not _static_tensor(val) or not val.is_contiguous():
         return None
-    out_strides = _contiguous_strides(tuple(val.shape))
+    out_strides = make_contiguous_strides_for(tuple(val.shape))
     found: dict[int, tuple[Value, bool]] = {}
 
     def note(buffers, same: bool) -> None:
@@ -652,7 +645,7 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tup
                 note(reads.get(root, []), strides == wanted and offset == 0)
                 return
             # a value the kernel computes: its element at its own contiguous index
-            own = [(st, j) for j, (st, d) in enumerate(zip(_contiguous_strides(tuple(root_val.shape)),
+            own = [(st, j) for j, (st, d) in enumerate(zip(make_contiguous_strides_for(tuple(root_val.shape)),
                                                             root_val.shape)) if d > 1]
             by_stride = dict(zip(strides, big))
             if offset or sorted(strides) != sorted(st for st, _ in own) or len(by_stride) != len(big):

@@ -295,15 +295,16 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         if shaped is not v:     # read in the shape from before a skipped reshape (ChunkRegion.reshaped_to)
             whole = g.add("Reshape", [v, g.const(f"{v.name}_shape", np.array(region.reshaped_to(v), np.int64))],
                           f"{v.name}_reshaped", v.dtype, shaped.shape)
+        in_groups = m.rows.outer != 1       # groups of the chunked rows: sliced inside each (Rows.outer)
         flat = _sliced_shape(shaped, m, run)
-        if m.rows.outer != 1:   # groups of the chunked rows: sliced inside each (Rows.outer)
+        if in_groups:
             split, m = grouped(m, tuple(shaped.shape))
             whole = g.add("Reshape", [whole, g.const(f"{v.name}_groups", np.array(split, np.int64))],
                           f"{v.name}_grouped", v.dtype, split)
         axis = g.const("slice_axis", np.array([m.dim % _rank(whole)], np.int64))
         env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
                            _sliced_shape(whole, m, run))
-        if env[id(v)].shape != flat:
+        if in_groups:
             env[id(v)] = g.add("Reshape", [env[id(v)], g.const(f"{v.name}_slice_shape", np.array(flat, np.int64))],
                                f"{v.name}_slice_rows", v.dtype, flat)
     elided = {id(n) for n in region.elided}
@@ -473,11 +474,11 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
     own = [region.shaped_like(o) for o in scans]
     shaped = list(own)
     scan_meta = [region.meta_of(o) for o in scans]
-    flat = [None] * len(scans)          # the grouped outputs' own meta, their slices' shape
+    in_groups = [m.rows.outer != 1 for m in scan_meta]
     for k, (o, like, m) in enumerate(zip(scans, shaped, scan_meta)):
-        if m.rows.outer != 1:
+        if in_groups[k]:
             split, scan_meta[k] = grouped(m, tuple(like.shape))
-            flat[k], shaped[k] = m, Value(names(f"{o.name}_groups"), o.dtype, split)
+            shaped[k] = Value(names(f"{o.name}_groups"), o.dtype, split)
     scan_dims = [m.dim % _rank(like) for m, like in zip(scan_meta, shaped)]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
                     f"{o.name}_zero", o.dtype, o.shape,
@@ -494,7 +495,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             for it in range(run.count):
                 totals, sliced = _inline(g, body, it, totals)
                 for k, s in enumerate(sliced):
-                    pieces[k].append(_in_groups(g, s, shaped[k], scan_meta[k], run) if flat[k] else s)
+                    pieces[k].append(_in_groups(g, s, shaped[k], scan_meta[k], run) if in_groups[k] else s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
@@ -505,7 +506,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
                             {"body": body}))
         totals = outs
         for k, (o, s, dim, like) in enumerate(zip(scans, stacked, scan_dims, shaped)):
-            if flat[k]:
+            if in_groups[k]:
                 s = _in_groups(g, s, like, scan_meta[k], run, stacked=True)
             pieces[k].append(_unstack(g, s, like, dim, run, scan_meta[k]))
     for o, total in zip(sums, totals):

@@ -197,6 +197,7 @@ class _Grower:
         # > 1: the captured rows are `groups` groups (batch rows) of the chunked rows (a sequence),
         # sliced inside every group (Rows.outer; grow_chunk)
         self.groups = groups
+        self.requested = 0          # the slice count the rule asks for (grow)
         self.two_phase = two_phase
         self.elide = elide          # skip a reshape the slices have no place in (include)
         self.ctx = ctx
