@@ -22,9 +22,9 @@ CFG = GPTConfig(vocab=16384, d_model=64, layers=1, heads=4, seq=128, batch=4, dr
 LENGTHS = (64, 96, 128)
 
 
-def inputs_of(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs_of(length: int, batch: int = CFG.batch) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(length)
-    shape = (CFG.batch, length)
+    shape = (batch, length)
     return torch.randint(0, CFG.vocab, shape, generator=g), torch.randint(0, CFG.vocab, shape, generator=g)
 
 
@@ -36,14 +36,14 @@ def _matches_eager(model, compiled, inputs, where=None) -> None:
     assert max(relative_error(g, w) for g, w in zip(grads, want_grads)) < 1e-4, where
 
 
-def _compiled_matches_eager_at(model, lengths, largest=None, dynamic=None):
+def _compiled_matches_eager_at(model, lengths, largest=None, dynamic=None, batch=CFG.batch):
     """`model` compiled with remat (strict), stepped at each length (the length marked dynamic,
     up to `largest`; with `dynamic=True` unmarked), each step's loss and gradients eager's.
     Returns the remat pass."""
     remat = fx_backend.backend(strict=True)
     compiled = torch.compile(model, backend=remat, dynamic=dynamic)
     for length in lengths:
-        inputs = inputs_of(length) if dynamic else _mark_lengths(inputs_of(length), largest)
+        inputs = inputs_of(length, batch) if dynamic else _mark_lengths(inputs_of(length, batch), largest)
         _matches_eager(model, compiled, inputs, length)
     return remat.remat_pass
 
@@ -238,6 +238,21 @@ def test_a_label_shift_reshaped_without_a_copy_chunks_at_dynamic_lengths(fresh_c
     [chunking] = remat_pass.chunk_results
     [region] = chunking.chunks      # in whole sequences: a slice of the tokens would start inside one
     assert remat_pass.chunked == 1 and len(region.chunks) == CFG.batch
+
+
+def test_the_label_shift_of_one_sequence_chunks_at_dynamic_lengths(fresh_compiles, recwarn):
+    """Batch 1 (fine-tuning on long sequences, where the logits are largest): the tokens are the
+    sequence the shift slices, so the shifted logits and targets are one row short of the
+    chunked rows (Rows.tail). A fixed count of slices of floor(s / count) rows, the last the
+    rest: they end short in the last slice only, whose body slices them with an end of -1
+    (odd lengths leave it longer). Refused before (slices that end inside the chunked dim were
+    built at static sizes only): the loss ran whole from the second length on."""
+    remat_pass = _compiled_matches_eager_at(_ShiftedHead(), (512, 301, 384), batch=1)
+    [chunking] = remat_pass.chunk_results
+    [region] = chunking.chunks
+    assert remat_pass.chunked == 1 and region.extent.free_symbols and len(region.chunks) > 2
+    assert {m.rows.tail for m in region.meta.values() if m.dim is not None} == {0, 1}
+    assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 
 def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):

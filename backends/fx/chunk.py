@@ -24,7 +24,7 @@ from engine.errors import GraphError
 from engine.order import order_near
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, grouped, shifted_bounds
 
-from .aten_ops import ATTRIBUTE_ARGS, slice_arguments
+from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
 from .sizes import SizeNodes, free_symbols, lower_formula
 
@@ -53,16 +53,22 @@ def _slice_dim(node: fx.Node) -> int:
     return dim % node.args[0].meta["val"].dim()
 
 
-def _with_bounds(node: fx.Node, meta_of: dict, start: int, end: int, total: int,
-                 env: dict[fx.Node, fx.Node], graph: fx.Graph) -> fx.Node:
-    """Copy a slice along the chunk dim into the body of the slice [start, end): its bounds are
-    where, in that slice, the rows of its output (a slice_scatter: of the value it writes) lie
-    among the rows of its input (a slice_scatter: of its output) (engine shifted_bounds)."""
+def _with_bounds(node: fx.Node, meta_of: dict, piece: "_Slice", env: dict[fx.Node, fx.Node],
+                 graph: fx.Graph) -> fx.Node:
+    """Copy a slice along the chunk dim into the body of `piece`: its bounds are where, in that
+    slice, the rows of its output (a slice_scatter: of the value it writes) lie among the rows
+    of its input (a slice_scatter: of its output) (engine shifted_bounds). In a slice of a
+    dynamic size, counted from the slice's ends: the rows the inner value lacks at the end
+    of the last slice (the grower keeps dynamic regions' rows from the start, Rows.lead)."""
     base, outer_arg, inner_arg = _SLICE_BOUNDS[node.target]
     outer = meta_of[node.args[outer_arg]] if outer_arg is not None else meta_of[node]
     inner = meta_of[node.args[inner_arg]] if inner_arg is not None else meta_of[node]
     copy = graph.node_copy(node, lambda x: env[x])
-    bounds = shifted_bounds(outer.rows, inner.rows, start, end, total)
+    if piece.dynamic:
+        short = inner.rows.tail - outer.rows.tail if piece.last else 0
+        bounds = None if not (outer.rows.shifted or inner.rows.shifted) else (0, -short if short else SLICE_DEFAULTS["ends"])
+    else:
+        bounds = shifted_bounds(outer.rows, inner.rows, piece.start, piece.end, piece.total)
     if bounds is None:
         return copy         # it keeps every row (x[0:n]): its bounds hold for any slice
     tensors = min(ATTRIBUTE_ARGS[base])       # the tensor arguments before the dim
@@ -108,14 +114,16 @@ class _Slice:
     dynamic: bool
 
     def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b), groups=None) -> tuple:
-        """The rows of a value with `meta` in this slice. `size`: that value's rows along its
-        chunk dim, where dynamic (a SymInt, or the fx node of one, `apply` then emitting the
-        arithmetic as nodes). A region sliced in whole groups (a unit other than one: the
-        value has `size // groups` rows per group) needs `groups`, the region's extent, of the
-        same kind as `size`. The grower plans dynamic regions unshifted."""
+        """The rows of a value with `meta` in this slice. `size`, where dynamic: the rows of the
+        values of its unit along their chunk dim, counted unshifted (a value a row short, the
+        label shift's `logits[:-1]`, has `size - 1`: Rows.tail), a SymInt or the fx node of one
+        (`apply` then emitting the arithmetic as nodes). A region sliced in whole groups (a unit
+        other than one: the value has `size // groups` rows per group) needs `groups`, the
+        region's extent, of the same kind as `size`. The grower plans dynamic regions with no
+        rows dropped at the start (Rows.lead): the first slice may be empty."""
         if not self.dynamic:
             return meta.span(self.start, self.end, self.total)
-        if meta.rows.shifted or (meta.unit != 1 and groups is None):
+        if meta.rows.lead or (meta.unit != 1 and groups is None):
             raise GraphError(f"remat bug: a region over a dynamic size has rows {meta.rows}")
 
         def op(f, a, b):
@@ -129,8 +137,17 @@ class _Slice:
             return first if per == 1 else op(operator.mul, per, first)
 
         start = 0 if self.index == 0 else rows(self.index)
-        end = size if self.index == self.count - 1 else rows(self.index + 1)
-        return start, end
+        if self.index < self.count - 1:
+            return start, rows(self.index + 1)
+        return start, op(operator.sub, size, meta.rows.tail) if meta.rows.tail else size
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
 
 
 def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None) -> torch.Tensor:
@@ -336,10 +353,11 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     continue
                 if piece.dynamic and m.unit not in rows:
                     # A static dim (the batch, sliced in whole rows over a dynamic sequence) is its
-                    # number: a sym_size node of an int is a graph the partitioner refuses.
+                    # number: a sym_size node of an int is a graph the partitioner refuses. Counted
+                    # unshifted: a value a row short (Rows.tail) gives its rows and the one.
                     size = r.shape[m.dim]
-                    rows[m.unit] = size if isinstance(size, int) else graph.call_function(aten.sym_size.int,
-                                                                                          (x, m.dim))
+                    size = size if isinstance(size, int) else graph.call_function(aten.sym_size.int, (x, m.dim))
+                    rows[m.unit] = node(operator.add, size, m.rows.tail) if m.rows.tail else size
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
                 args.append(_slice_rows(node, x, r.shape, m,
@@ -423,7 +441,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
         if r.meta.dim is not None:
-            rows.setdefault(r.meta.unit, val.shape[r.meta.dim])
+            rows.setdefault(r.meta.unit, val.shape[r.meta.dim] + r.meta.rows.tail)
         p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None)
         env[x] = p
     for x in sizes:
@@ -439,7 +457,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         env[length] = length
     lengths = _Lengths(sub, length, next(r.meta for r in input_meta if r.meta.dim is not None),
                        {str(env[x].meta["val"].node.expr): env[x] for x in sizes
-                        if isinstance(env[x].meta["val"], torch.SymInt)}) if piece.dynamic else None
+                        if isinstance(env[x].meta["val"], torch.SymInt)}, piece.last) if piece.dynamic else None
     sliced = {x for x, r in zip(inputs, input_meta) if r.meta.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
@@ -453,7 +471,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
             env[fx_node] = _with_size(fx_node, m.dim, lengths.of(m) if piece.dynamic else m.length(start, end, total),
                                       env, sub)
         elif fx_node.target in _SLICE_BOUNDS and _along_chunk_dim(fx_node, meta_of):
-            env[fx_node] = _with_bounds(fx_node, meta_of, start, end, total, env, sub)
+            env[fx_node] = _with_bounds(fx_node, meta_of, piece, env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
     # A slice along the chunk dim is a view into the body's own buffer at an offset: Inductor
@@ -482,17 +500,26 @@ class _Lengths:
     in whole groups: `length // first` groups, `unit` rows each), the units' formulas written
     with the body's own symbols (`symbols`, by name)."""
 
-    def __init__(self, graph: fx.Graph, length: fx.Node, first: ChunkMeta, symbols: dict[str, fx.Node]):
-        self.graph, self.symbols, self.length, self.first = graph, symbols, length, first.unit
+    def __init__(self, graph: fx.Graph, length: fx.Node, first: ChunkMeta, symbols: dict[str, fx.Node],
+                 last: bool):
+        self.graph, self.symbols, self.first, self.last = graph, symbols, first.unit, last
+        if last and first.rows.tail:        # the last slice of a value a row short: its rows and the one
+            length = graph.call_function(operator.add, (length, first.rows.tail))
         self.known = {first.unit: length}
 
     def of(self, meta: ChunkMeta) -> fx.Node:
         if meta.unit not in self.known:
             if 1 not in self.known:
-                self.known[1] = self.graph.call_function(operator.floordiv, (self.length, self._lowered(self.first)))
+                self.known[1] = self.graph.call_function(operator.floordiv, (self.known[self.first],
+                                                                            self._lowered(self.first)))
             if meta.unit not in self.known:
                 self.known[meta.unit] = self.graph.call_function(operator.mul,
                                                                  (self.known[1], self._lowered(meta.unit)))
+        if self.last and meta.rows.tail:
+            key = (meta.unit, meta.rows.tail)
+            if key not in self.known:
+                self.known[key] = self.graph.call_function(operator.sub, (self.known[meta.unit], meta.rows.tail))
+            return self.known[key]
         return self.known[meta.unit]
 
     def _lowered(self, unit):

@@ -199,7 +199,7 @@ def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
 
 # Dynamo makes a dim dynamic on its own when a second size reaches a compiled frame (its
 # automatic dynamic shapes): a chunk region whose slices need static sizes (a slice that
-# starts inside the chunked dim: the label shift of one sequence) is lost from the second batch on,
+# drops rows at the start of the chunked dim, or more than one at its end) is lost from the second batch on,
 # which the user should hear of once, with the way out.
 DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (dynamic=True, "
                   "mark_dynamic, or Dynamo's automatic dynamic shapes once a second input size "

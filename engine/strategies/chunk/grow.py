@@ -35,7 +35,9 @@ A slice along the chunk dim itself (the label shift of one sequence: `logits[:-1
 `labels[1:]`, where the tokens are the sequence) keeps some of the chunked rows (Rows.lead,
 Rows.tail): each slice of the chunk holds the ones that fall in it, the first or last fewer,
 so the backends run those in bodies of their own (ChunkRegion.slice_class), and the slice's
-gradient (a pad, a slice_scatter into zeros) puts the zeros back.
+gradient (a pad, a slice_scatter into zeros) puts the zeros back. At a dynamic size, on a
+backend that runs a fixed count of slices (fx), a value may end a row short (the label shift
+again): the last slice, the rest of the rows, is never empty.
 
 Values the region reads but does not slice (weights, the global count of a mean over
 non-ignored labels) are computed outside it, whole, so a mean is divided by the global
@@ -456,9 +458,10 @@ class _Grower:
         negative: a pad adds them) (DimMap.shifted)."""
         if not lead and not tail:
             return rows         # every row (`x[:, :-1]` slices dim 0 whole at dynamic sizes)
-        if not is_static(self.size):
+        if not is_static(self.size) and self.graph.slicing is not SliceSizes.FIXED_COUNT:
             raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
-                                 f"{self.size}: slices that start or end inside it are built at static sizes only")
+                                 f"{self.size}: slices that start or end inside it are built at static sizes only "
+                                 f"on this backend")
         if rows.unit != 1 or rows.outer != 1:
             raise Refused(f"{node.op} {node.name} slices the chunked dim, which a reshape before it "
                           f"groups with others")
@@ -469,6 +472,15 @@ class _Grower:
                           f"its last)")
         if shifted.total(self._at_examples(self.size)) < 1:
             raise Refused(f"{node.op} {node.name} leaves no rows of the chunk dim")
+        if not is_static(self.size) and (shifted.lead or shifted.tail > 1):
+            # A fixed count of slices of floor(size / count) rows, the last the rest: the last
+            # is never empty, so a value one row short (the label shift of one sequence,
+            # `logits[:-1]`) has rows in it at any size; the first may be, and is shorter than
+            # any row dropped at the start.
+            raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
+                                 f"{self.size}, {shifted.lead} rows in from its start and {shifted.tail} "
+                                 f"short of its end: slices of a dynamic size hold such rows at static sizes "
+                                 f"only (at dynamic ones, a value may only end a row short)")
         return shifted
 
     def include_reshaped(self, node: Node, kind: str, inputs: list[Value]) -> None:
@@ -666,7 +678,7 @@ class _Grower:
             constrained = sorted(sliced & self.graph.constrained_dims)
             if constrained:
                 count = self.exact_count(size, count, fixed, constrained)
-            if any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
+            if not fixed and any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
                 raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
                                      f"a slice along the chunk dim needs slices built at static sizes")
             # A fixed count is the count at the example sizes: every size runs that many slices.

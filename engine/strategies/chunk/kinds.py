@@ -245,10 +245,14 @@ def _slice_bounds(node: Node, rank: int, size: Any, onnx_inputs: bool) -> dict[i
         if k >= len(starts) or (steps is not None and steps[k] != 1):
             continue
         if not isinstance(n, int):
-            # At a symbolic size only a slice to the end is known: `x[:, :-1]` slices dim 0 whole
-            # (0 to INT64_MAX), which Dynamo keeps at dynamic sizes.
-            if 0 <= starts[k] and ends[k] >= _TO_THE_END:
-                found[axis] = (starts[k], 0)
+            # At a symbolic size a slice's rows are known where its bounds count from the start
+            # and from the end: `x[:, :-1]` slices dim 0 whole (0 to INT64_MAX, which Dynamo keeps
+            # at dynamic sizes) and drops the last row of dim 1 (an end of -1).
+            if isinstance(starts[k], int) and isinstance(ends[k], int) and 0 <= starts[k]:
+                if ends[k] >= _TO_THE_END:
+                    found[axis] = (starts[k], 0)
+                elif ends[k] < 0:
+                    found[axis] = (starts[k], -ends[k])
             continue
         start, end = slice_range(starts[k], ends[k], n)
         found[axis] = (start, n - end)

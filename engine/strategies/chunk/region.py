@@ -57,7 +57,8 @@ class Rows:
     `logits[:-1]`) keeps the chunked rows [lead, size - tail), row for row: its row r is row
     r + lead of the chunked value, and a slice of the chunked value holds the part of the
     value that falls in it (the first slice `lead` rows fewer, the last `tail` fewer). Either
-    the unit or the lead and tail, never both: the grower refuses the mix.
+    the unit or the lead and tail, never both: the grower refuses the mix. At a dynamic size
+    (a fixed count of slices, SliceSizes.FIXED_COUNT) no lead and a tail of at most one row.
     `outer`: the dim holds `outer` groups of those rows one after another, as the flat
     (tokens, vocab) logits hold the sequence of each batch row where the region slices the
     sequence inside every row (the (N, C, L) loss at batch 2): rows [a, b) of the chunked value
