@@ -85,6 +85,10 @@ _SCATTERS = {_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._unsafe_in
              _ATEN.scatter_add.default, _ATEN.index_add.default}
 
 
+# What a size computation gives (`sym_size`, arithmetic on sizes): no buffer.
+_SIZES = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _is_view(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and (target is operator.getitem and _tuple_of_views(node)
@@ -221,6 +225,11 @@ class Step:
     module: fx.GraphModule | None
     fused: set[str] = field(default_factory=set)      # values inlined into their readers
     backward: set[str] = field(default_factory=set)   # nodes of the backward graph
+    # Views the forward saves for the backward: there an input of its own shape, which a backward
+    # kernel writes over only where it has as many elements as the kernel's output (Inductor
+    # reuses an input buffer of the same size; at a dynamic length the partitioner saves the
+    # label shift's `logits[:, :-1]`, a row short of the gradient written from it)
+    saved_views: set[str] = field(default_factory=set)
 
 
 def partition(joint: fx.Graph, owner: torch.nn.Module | None) -> tuple[fx.GraphModule, fx.GraphModule, int]:
@@ -273,6 +282,8 @@ def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: i
                 outputs += [env[r] for r in results]
                 if part == "fw":
                     saved = {r.name: env[r] for r in node.args[0] if isinstance(r, fx.Node)}
+                    step.saved_views = {env[r].name for r in node.args[0][own_outputs:]
+                                        if isinstance(r, fx.Node) and _is_view(env[r])}
             elif node.op == "get_attr":
                 name = f"{part}_{node.target}"
                 setattr(owner, name, getattr(module, node.target))
@@ -312,12 +323,15 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
     returned: list[Value] = []
     runs: dict[str, fx.Node] = {}
 
-    def same_index(arg: fx.Node, numel: int) -> list[Value]:
-        """The buffers `arg` reads at the same element index as a result of `numel` elements."""
+    def same_index(arg: fx.Node, numel: int, backward: bool) -> list[Value]:
+        """The buffers `arg` reads at the same element index as a result of `numel` elements
+        (a kernel of the `backward` graph's, where a saved view is an input of its own size)."""
         if _moves_elements(arg):
             return []             # a permute, an expand, a slice: another index
+        if backward and arg.name in step.saved_views and _numel(_buffer(arg.name, arg.meta.get("val"))) != numel:
+            return []
         if _is_view(arg) or arg.name in fused:
-            return _union(same_index(a, numel) for a in arg.all_input_nodes)
+            return _union(same_index(a, numel, backward) for a in arg.all_input_nodes)
         return [v for v in reads.get(arg, []) if _numel(v) == numel]
 
     for n in module.graph.nodes:
@@ -327,7 +341,9 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
             inputs.append(v)
             reads[n] = [v]
             access[n] = frozenset([(id(v), ())])
-        elif n.op == "get_attr":
+        elif n.op == "get_attr" or isinstance(n.meta.get("val"), _SIZES):
+            # a size read (`sym_size(logits, 0)` at a dynamic length) reads no buffer: Inductor
+            # computes it from the shapes it knows, and it keeps no tensor alive
             reads[n] = []
             access[n] = frozenset()
         elif n.op == "output":
@@ -377,12 +393,12 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
                     if kind == "reduction" else _numel(reads[n][0]) if reads[n] else None)
             kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
             if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
-                by_index = _read_at_index(n, fused, reads)
+                by_index = _read_at_index(n, fused, reads, step.saved_views if backward else set())
                 if by_index is not None:
                     kernel.overwrites = [v for v, same in by_index.values() if same and _numel(v) == _numel(reads[n][0])]
                 else:
                     elsewhere = {buffer for buffer, path in touched if path}    # read at another index too
-                    kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0]))
+                    kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0]), backward)
                                                            for a in n.all_input_nodes) if id(v) not in elsewhere]
             kernels.append(kernel)
     nodes = []
@@ -597,7 +613,8 @@ def _static_tensor(val) -> bool:
                                                                               val.storage_offset()))
 
 
-def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tuple[Value, bool]] | None:
+def _read_at_index(node: fx.Node, fused: set[str], reads: dict,
+                   saved_views: set[str] = frozenset()) -> dict[int, tuple[Value, bool]] | None:
     """Each buffer the kernel computing `node` (one contiguous output, element by element) reads,
     and whether it reads it only at the element it writes, so it may write over it: followed
     through views by their strides and through the pointwise values the kernel computes inside
@@ -605,7 +622,8 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tup
     element (the (N, C, L) loss: the logits permuted to (batch, vocab, seq) for the log-softmax,
     its gradient permuted back before the head's matmul, which Inductor writes over the logits).
     A slice_scatter at its own index (_scatters_at_its_index) reads its source at the elements it
-    writes first. None at symbolic sizes."""
+    writes first. `saved_views`: views the kernel reads as inputs of their own size (Step). None
+    at symbolic sizes."""
     val = node.meta.get("val")
     if not _static_tensor(val) or not val.is_contiguous():
         return None
@@ -633,6 +651,9 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict) -> dict[int, tup
                     strides[k] += v.stride()[j]
             return tuple(strides[k] for k in big)
 
+        if x.name in saved_views and x_val.numel() != val.numel():
+            note(reads.get(x, []), False)
+            return
         if _is_view(x):
             root = x
             while _is_view(root) and isinstance(root.args[0], fx.Node):
