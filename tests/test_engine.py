@@ -568,7 +568,12 @@ def test_rows_in_groups_are_sliced_inside_every_group_and_follow_reshapes():
     # the batch as the chunked rows is the leading dim of a group, not the lowest: no such dim
     assert grouped_dim((48, 300), (2, 24, 300), 0, 48) is None
     assert grouped_dim((48, 300), (2, 24, 300), 0, 5) is None          # 24 is not whole groups of 5
-    assert grouped_dim(("s", 300), (2, 300), 0, 2) is None             # symbolic: never
+    # at a dynamic length: 2 sequences of s0 tokens, and back
+    s0 = sympy.Symbol("s0", positive=True, integer=True)
+    assert grouped_dim((2 * s0, 300), (2, s0, 300), 0, s0) == (1, 1)
+    assert grouped_dim((2, s0, 300), (2 * s0, 300), 1, s0) == (0, 2)
+    assert grouped_dim((2 * s0, 300), (2, s0, 300), 0, 2 * s0) is None
+    assert grouped_dim((s0, 300), (2, 300), 0, 2) is None               # not a reshape of it
 
 
 @pytest.mark.parametrize("whole_first", [True, False])

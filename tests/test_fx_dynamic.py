@@ -311,6 +311,19 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 
+@pytest.mark.parametrize("loss", ["shift", "ncl"])
+def test_two_sequences_at_a_dynamic_length_are_sliced_inside_each_sequence(fresh_compiles, recwarn, loss):
+    """Batch 2 at a dynamic length: whole sequences give 2 slices where the rule asks for more, so
+    the region slices the length inside each sequence (Rows.outer, 2 groups of s0 rows), a fixed
+    count of slices of floor(s0 / count) rows of both. Before, 2 slices of whole sequences."""
+    model = gpt(replace(CFG, dropout=0.0, batch=2, seq=256, label_shift=loss == "shift", ncl_loss=loss == "ncl"))
+    remat_pass = _compiled_matches_eager_at(model, (256, 199), batch=2)      # 32 MiB of logits first
+    [region] = [r for result in remat_pass.chunk_results for r in result.chunks]
+    assert remat_pass.chunked == 1 and region.extent.free_symbols and len(region.chunks) > 2
+    assert {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, 2}
+    assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
+
+
 class _HeadAfterACausalMask(torch.nn.Module):
     """A vocabulary head after a causal mask sliced from a buffer as long as the first batch:
     Dynamo specializes the first length on that slice and, when a second length arrives, makes

@@ -19,6 +19,7 @@ ATEN_TO_ONNX = {
     "transpose": "Transpose", "t": "Transpose", "expand": "Expand", "split_with_sizes": "Split",
     "split": "Split", "slice": "Slice", "cat": "Concat", "embedding": "Gather",
     "_softmax": "Softmax", "_log_softmax": "LogSoftmax", "native_layer_norm": "LayerNormalization",
+    "isnan": "IsNaN", "isinf": "IsInf",
     "_to_copy": "Cast", "sum": "ReduceSum", "mean": "ReduceMean", "amax": "ReduceMax", "amin": "ReduceMin",
     # Random ops: ONNX's names, which std.ops declares nondeterministic. native_dropout(x, p, train)
     # is ONNX's Dropout(x, ratio, training_mode), (y, mask) both; the importer makes it Dropout only

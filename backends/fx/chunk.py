@@ -13,7 +13,7 @@ in the slices waits for backward and the partitioner keeps them in the forward g
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
@@ -159,27 +159,46 @@ def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, ro
                        piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups))
 
 
-def _slice_rows(call, x, shape: tuple, meta: ChunkMeta, bounds: tuple):
+def _slice_rows(call, x, shape: tuple, meta: ChunkMeta, bounds: tuple, shape_of=list):
     """`x`'s rows `bounds` along its chunk dim, through `call(op, *args)` (an fx node or a
     fake tensor): where the dim holds groups of the chunked rows (Rows.outer), the rows of
-    every group, in the shape that splits them (engine `grouped`), then as one dim again."""
+    every group, in the shape that splits them (engine `grouped`), then as one dim again.
+    `shape_of`: a shape as the reshape's argument (in an fx graph, a SymInt as its node)."""
     if meta.rows.outer == 1:
         return call(aten.slice.Tensor, x, meta.dim, *bounds)
-    split, inner = grouped(meta, shape)
-    rows = call(aten.slice.Tensor, call(aten.reshape.default, x, list(split)), inner.dim, *bounds)
+    split, inner = _split(meta, shape)
+    rows = call(aten.slice.Tensor, call(aten.reshape.default, x, shape_of(split)), inner.dim, *bounds)
     flat = list(shape)
-    flat[meta.dim] = meta.rows.outer * (bounds[1] - bounds[0])
-    return call(aten.reshape.default, rows, flat)
+    flat[meta.dim] = -1
+    return call(aten.reshape.default, rows, shape_of(flat))
 
 
-def _join_rows(call, pieces: list, shape: tuple, meta: ChunkMeta):
+def _join_rows(call, pieces: list, shape: tuple, meta: ChunkMeta, shape_of=list):
     """The slices of an output along its chunk dim, side by side: where the dim holds groups of
     the chunked rows, joined inside every group (the inverse of _slice_rows)."""
     if meta.rows.outer == 1:
         return call(aten.cat.default, pieces, meta.dim)
+    split, inner = _split(meta, shape)
+    parts = [call(aten.reshape.default, p, shape_of(split)) for p in pieces]
+    return call(aten.reshape.default, call(aten.cat.default, parts, inner.dim), shape_of(list(shape)))
+
+
+def _split(meta: ChunkMeta, shape: tuple) -> tuple[list, ChunkMeta]:
+    """engine `grouped`, the rows per group left for the reshape to infer (-1): at a dynamic
+    length a formula, and a slice's rows differ from the whole's."""
     split, inner = grouped(meta, shape)
-    parts = [call(aten.reshape.default, p, [*split[:inner.dim], -1, *split[inner.dim + 1:]]) for p in pieces]
-    return call(aten.reshape.default, call(aten.cat.default, parts, inner.dim), list(shape))
+    split = list(split)
+    split[inner.dim] = -1
+    return split, inner
+
+
+def _chunked_rows(size, meta: ChunkMeta, call):
+    """The chunked value's rows for a value of `meta` with `size` rows along its chunk dim: those
+    of one of its groups (Rows.outer), unshifted (Rows.tail), through `call(op, a, b)` where
+    `size` is a node."""
+    if meta.rows.outer != 1:
+        size = call(operator.floordiv, size, meta.rows.outer)
+    return call(operator.add, size, meta.rows.tail) if meta.rows.tail else size
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -357,11 +376,12 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     # unshifted: a value a row short (Rows.tail) gives its rows and the one.
                     size = r.shape[m.dim]
                     size = size if isinstance(size, int) else graph.call_function(aten.sym_size.int, (x, m.dim))
-                    rows[m.unit] = node(operator.add, size, m.rows.tail) if m.rows.tail else size
+                    rows[m.unit] = _chunked_rows(size, m, lambda f, a, b: f(a, b) if isinstance(a, int) else
+                                                 node(f, a, b))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
                 args.append(_slice_rows(node, x, r.shape, m,
-                                        piece.bounds(m, rows.get(m.unit), emit, groups)))
+                                        piece.bounds(m, rows.get(m.unit), emit, groups), shapes.shape))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
@@ -375,7 +395,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         combined = {}
         for k, (orig, r) in enumerate(zip(outputs, output_meta)):
             m = r.meta
-            whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m)
+            whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m, shapes.shape)
             if r.reshaped is not None:      # computed in the shape from before a skipped reshape
                 whole = graph.call_function(aten.reshape.default, (whole, shapes.shape(orig.meta["val"].shape)))
             if m.scaled:
@@ -441,7 +461,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
         if r.meta.dim is not None:
-            rows.setdefault(r.meta.unit, val.shape[r.meta.dim] + r.meta.rows.tail)
+            rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta, lambda f, a, b: f(a, b)))
         p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None)
         env[x] = p
     for x in sizes:
@@ -503,24 +523,27 @@ class _Lengths:
     def __init__(self, graph: fx.Graph, length: fx.Node, first: ChunkMeta, symbols: dict[str, fx.Node],
                  last: bool):
         self.graph, self.symbols, self.first, self.last = graph, symbols, first.unit, last
-        if last and first.rows.tail:        # the last slice of a value a row short: its rows and the one
-            length = graph.call_function(operator.add, (length, first.rows.tail))
-        self.known = {first.unit: length}
+        # the chunked rows in this slice: those of one group, and the row a value a row short
+        # lacks in the last slice
+        rows = replace(first.rows, tail=first.rows.tail if last else 0)
+        self.known = {first.unit: _chunked_rows(length, ChunkMeta(first.dim, rows=rows), self._call)}
+
+    def _call(self, f, a, b):
+        return self.graph.call_function(f, (a, b))
 
     def of(self, meta: ChunkMeta) -> fx.Node:
         if meta.unit not in self.known:
             if 1 not in self.known:
-                self.known[1] = self.graph.call_function(operator.floordiv, (self.known[self.first],
-                                                                            self._lowered(self.first)))
+                self.known[1] = self._call(operator.floordiv, self.known[self.first], self._lowered(self.first))
             if meta.unit not in self.known:
-                self.known[meta.unit] = self.graph.call_function(operator.mul,
-                                                                 (self.known[1], self._lowered(meta.unit)))
-        if self.last and meta.rows.tail:
-            key = (meta.unit, meta.rows.tail)
-            if key not in self.known:
-                self.known[key] = self.graph.call_function(operator.sub, (self.known[meta.unit], meta.rows.tail))
-            return self.known[key]
-        return self.known[meta.unit]
+                self.known[meta.unit] = self._call(operator.mul, self.known[1], self._lowered(meta.unit))
+        tail = meta.rows.tail if self.last else 0
+        key = (meta.unit, tail, meta.rows.outer)
+        if key not in self.known:
+            rows = self.known[meta.unit]
+            rows = self._call(operator.sub, rows, tail) if tail else rows
+            self.known[key] = self._call(operator.mul, rows, meta.rows.outer) if meta.rows.outer != 1 else rows
+        return self.known[key]
 
     def _lowered(self, unit):
         try:

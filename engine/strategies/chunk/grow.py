@@ -427,11 +427,11 @@ class _Grower:
         """Where a reshape from `src` (sliced as `meta` says) to `out` (or back) keeps the
         chunked rows as the lowest part of a dim (kinds.grouped_dim), that dim and its rows:
         (tokens, vocab) -> (batch, seq, vocab) where the region slices the sequence (Rows.outer),
-        and back. None otherwise, and over symbolic sizes."""
+        and back (a dynamic length: `2*s0` tokens, 2 groups of `s0`). None otherwise."""
         rows = meta.rows
-        if rows.unit != 1 or not is_static(self.size) or src.shape is None or out.shape is None:
+        if rows.unit != 1 or src.shape is None or out.shape is None:
             return None
-        per = self._at_examples(self.size) - rows.lead - rows.tail
+        per = simplify(self.size - rows.lead - rows.tail)
         found = grouped_dim(tuple(src.shape), tuple(out.shape), meta.dim, per)
         if found is None:
             return None
@@ -598,9 +598,13 @@ class _Grower:
         first = over[0]
         self.size = first.shape[norm_dim(action.dim, rank_of(first))]
         if self.groups != 1:
-            if not is_static(self.size) or self.size % self.groups:
+            per = simplify(sympy.cancel(sympy.sympify(self.size) / self.groups))
+            if not same_size(per * self.groups, self.size) or simplify(sympy.fraction(sympy.sympify(per))[1]) != 1:
                 raise Refused(f"the {self.size} rows of %{first.name} are not {self.groups} groups of rows")
-            self.size //= self.groups
+            if not is_static(per) and self.graph.slicing is not SliceSizes.FIXED_COUNT:
+                raise RefusedDynamic(f"the rows of %{first.name} would be sliced inside each of {self.groups} "
+                                     f"groups of the symbolic size {per}: built at static sizes only on this backend")
+            self.size = int(per) if is_static(per) else per
         self.include(root)
         if self.meta[id(root.outputs[0])].need_sum:
             raise Refused(f"slicing %{first.name} along dim {action.dim} slices the dim {root.op} {root.name} "
@@ -964,17 +968,29 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
         region, requested = _grow(match, action, ctx)
     except Refused as refused:
         return Reason(action.location, str(refused), **refused.reason_fields())
-    if region.granule != 1 and region.extent is None and len(region.chunks) < requested:
+    groups = _whole_groups(region)
+    if groups is not None and len(region.chunks) < requested:
         # Whole groups (batch rows) are fewer than the slices the rule asks for (the (N, C, L)
         # loss, a label shift, at batch 2): the rows are sliced inside every group instead, where
         # the region allows it (Rows.outer).
         try:
-            inside, _ = _grow(match, action, ctx, groups=sum(region.chunks) // region.granule)
+            inside, _ = _grow(match, action, ctx, groups=groups)
         except Refused:
             return region
         if len(inside.chunks) > len(region.chunks):
             return inside
     return region
+
+
+def _whole_groups(region: ChunkRegion) -> int | None:
+    """How many groups (batch rows) a region sliced in whole groups has, where it is a number:
+    at static sizes its rows over the granule; over a dynamic sequence of a static batch (the
+    region counted in groups, each value's unit a formula) its extent. None for a region of
+    single rows, or of a dynamic number of groups."""
+    if region.extent is None:
+        return sum(region.chunks) // region.granule if region.granule != 1 else None
+    grouped = any(not isinstance(m.unit, Fraction) for m in region.meta.values() if m.dim is not None)
+    return int(region.extent) if grouped and is_static(region.extent) else None
 
 
 def _grow(match: Match, action: Chunk, ctx: MatchContext, groups: int = 1) -> tuple[ChunkRegion, int]:

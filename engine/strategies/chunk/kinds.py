@@ -14,7 +14,7 @@ from typing import Any
 import sympy
 
 from ...ir import Node, Value
-from ...shapes import simplify
+from ...shapes import is_static, simplify
 
 CHUNK_KINDS = {
     "pointwise": "broadcasting elementwise: each output dim is the same dim of every input",
@@ -336,13 +336,20 @@ def grouped_dim(src: tuple, out: tuple, dim: int, per: int) -> tuple[int, int] |
     dim of `out` after which as many elements follow (the same stride), if its size is whole
     groups of `per` rows, with its number of groups ((tokens, vocab) -> (batch, seq, vocab)
     with the sequence chunked, per = seq: dim 0 of the tokens -> dim 1, 1 group; the way back,
-    dim 1 -> dim 0, `batch` groups). Static shapes only; None where no such dim is."""
-    if not all(isinstance(d, int) for d in (*src, *out)) or not 0 <= dim < len(src) or per < 1:
+    dim 1 -> dim 0, `batch` groups). At dynamic sizes `per` and the dims may be formulas
+    (`2*s0` tokens, `s0` a sequence), the number of groups a number. None where no such dim is."""
+    if not 0 <= dim < len(src) or (is_static(per) and per < 1):
         return None
-    after = math.prod(src[dim + 1:])
-    for o in range(len(out)):
-        if math.prod(out[o + 1:]) == after:
-            return (o, out[o] // per) if out[o] % per == 0 and out[o] >= per else None
+    try:
+        if not same_size(math.prod(src), math.prod(out)):
+            return None
+        after = simplify(sympy.sympify(math.prod(src[dim + 1:])))
+        for o in range(len(out)):
+            if same_size(math.prod(out[o + 1:]), after):
+                groups = sympy.cancel(sympy.sympify(out[o]) / per)
+                return (o, int(groups)) if groups.is_Integer and groups >= 1 else None
+    except (TypeError, sympy.SympifyError):
+        return None
     return None
 
 

@@ -64,7 +64,8 @@ class Rows:
     sequence inside every row (the (N, C, L) loss at batch 2): rows [a, b) of the chunked value
     are rows [g * n + a, g * n + b) of each group g of n rows. Not strided rows of a memory
     layout: the backends slice and join such a value in the shape that splits its dim into
-    (outer, n), `grouped`. Static sizes only, with a unit of one."""
+    (outer, n), `grouped`. A static number of groups, with a unit of one; at a dynamic length on
+    a backend that runs a fixed count of slices (fx)."""
 
     unit: Fraction | sympy.Expr = Fraction(1)    # a formula where a reshape groups by a symbolic size
     lead: int = 0
