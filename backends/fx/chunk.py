@@ -19,6 +19,7 @@ import torch
 from torch import fx
 from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils.checkpoint import CheckpointPolicy
 
 from engine.errors import GraphError
 from engine.order import order_near
@@ -346,7 +347,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     for x, r in zip(operands, input_meta)]
 
         pieces: list[list[fx.Node]] = [[] for _ in outputs]
-        sums = {k: _full(graph, o, 0.0, shapes) for k, (o, r) in enumerate(zip(outputs, output_meta))
+        sums = {k: _full(graph, o, 0.0, shapes, _sum_dtype(o)) for k, (o, r) in enumerate(zip(outputs, output_meta))
                 if r.meta.need_sum}
         # A dynamic region: its chunked rows, read once per unit (the operands of a unit have the
         # same rows), the region's extent in groups where it is sliced in whole groups, and each
@@ -385,6 +386,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
+            call.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             for k, r in enumerate(output_meta):
                 item = graph.call_function(operator.getitem, (call, k))
                 if r.meta.need_sum:
@@ -396,6 +398,9 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         for k, (orig, r) in enumerate(zip(outputs, output_meta)):
             m = r.meta
             whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m, shapes.shape)
+            if m.need_sum and _sum_dtype(orig) is not orig.meta["val"].dtype:
+                whole = graph.call_function(torch.ops.prims.convert_element_type.default,
+                                            (whole, orig.meta["val"].dtype))
             if r.reshaped is not None:      # computed in the shape from before a skipped reshape
                 whole = graph.call_function(aten.reshape.default, (whole, shapes.shape(orig.meta["val"].shape)))
             if m.scaled:
@@ -425,11 +430,20 @@ def _detached_like(graph: fx.Graph, x: fx.Node, shapes: SizeNodes) -> fx.Node:
     return _full(graph, x, x.args[1] if x.target is aten.full_like.default else _LIKE[x.target], shapes)
 
 
-def _full(graph: fx.Graph, like: fx.Node, fill: float, shapes: SizeNodes) -> fx.Node:
-    """A new tensor of `fill` with the shape, dtype and device of `like`'s value."""
+def _full(graph: fx.Graph, like: fx.Node, fill: float, shapes: SizeNodes, dtype=None) -> fx.Node:
+    """A new tensor of `fill` with the shape, dtype (or `dtype`) and device of `like`'s value."""
     val = like.meta["val"]
     return graph.call_function(aten.full.default, (shapes.shape(val.shape), fill),
-                               {"dtype": val.dtype, "device": val.device})
+                               {"dtype": dtype or val.dtype, "device": val.device})
+
+
+def _sum_dtype(output: fx.Node) -> torch.dtype:
+    """The dtype a region output's partial sums accumulate in: float32 for a 16-bit float (the
+    head's weight gradient under bf16 autocast: each slice's partial, summed in bf16, rounded at
+    every slice, 1.4x plain Inductor's error against float32, whose one matmul sums in float32),
+    its own otherwise."""
+    dtype = output.meta["val"].dtype
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:
@@ -502,8 +516,11 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     for k, o in enumerate(outputs):       # partial sums accumulate inside: one buffer, not one per slice
         if meta_by_fx[o].need_sum:
             acc = sub.placeholder(f"{o.name}_sum")
-            acc.meta["val"] = o.meta["val"]
-            results[k] = sub.call_function(aten.add.Tensor, (acc, results[k]))
+            acc.meta["val"] = o.meta["val"].to(_sum_dtype(o))
+            part = results[k]
+            if _sum_dtype(o) is not o.meta["val"].dtype:
+                part = sub.call_function(torch.ops.prims.convert_element_type.default, (part, _sum_dtype(o)))
+            results[k] = sub.call_function(aten.add.Tensor, (acc, part))
     sub.output(tuple(results))
     count_broadcast_sums(sub)       # label smoothing's sum over the vocabulary, exact_sums.py
     sub.eliminate_dead_code()
