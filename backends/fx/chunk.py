@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from engine.errors import GraphError
 from engine.order import order_near
-from engine.strategies.chunk import ChunkMeta, ChunkRegion, grouped, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, grouped, shifted_bounds
 
 from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
@@ -127,9 +127,7 @@ class _Slice:
         if meta.rows.lead or (meta.unit != 1 and groups is None):
             raise GraphError(f"remat bug: a region over a dynamic size has rows {meta.rows}")
 
-        def op(f, a, b):
-            return f(a, b) if isinstance(a, int) and isinstance(b, int) else apply(f, a, b)
-
+        op = _arithmetic(apply)
         step = op(operator.floordiv, size if meta.unit == 1 else groups, self.count)
         per = 1 if meta.unit == 1 else op(operator.floordiv, size, groups)     # its rows per group
 
@@ -143,12 +141,13 @@ class _Slice:
         return start, op(operator.sub, size, meta.rows.tail) if meta.rows.tail else size
 
     @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
     def last(self) -> bool:
         return self.index == self.count - 1
+
+
+def _arithmetic(apply):
+    """`f(a, b)` on two ints, `apply(f, a, b)` otherwise (an fx node, or a SymInt's arithmetic)."""
+    return lambda f, a, b: f(a, b) if isinstance(a, int) and isinstance(b, int) else apply(f, a, b)
 
 
 def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None) -> torch.Tensor:
@@ -193,13 +192,13 @@ def _split(meta: ChunkMeta, shape: tuple) -> tuple[list, ChunkMeta]:
     return split, inner
 
 
-def _chunked_rows(size, meta: ChunkMeta, call):
-    """The chunked value's rows for a value of `meta` with `size` rows along its chunk dim: those
-    of one of its groups (Rows.outer), unshifted (Rows.tail), through `call(op, a, b)` where
-    `size` is a node."""
-    if meta.rows.outer != 1:
-        size = call(operator.floordiv, size, meta.rows.outer)
-    return call(operator.add, size, meta.rows.tail) if meta.rows.tail else size
+def _chunked_rows(size, rows: Rows, call):
+    """The chunked value's rows for a value whose `size` rows along its chunk dim lie as `rows`
+    says: those of one of its groups (Rows.outer), unshifted (Rows.tail), through
+    `call(op, a, b)` where `size` is a node."""
+    if rows.outer != 1:
+        size = call(operator.floordiv, size, rows.outer)
+    return call(operator.add, size, rows.tail) if rows.tail else size
 
 
 def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
@@ -377,8 +376,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     # unshifted: a value a row short (Rows.tail) gives its rows and the one.
                     size = r.shape[m.dim]
                     size = size if isinstance(size, int) else graph.call_function(aten.sym_size.int, (x, m.dim))
-                    rows[m.unit] = _chunked_rows(size, m, lambda f, a, b: f(a, b) if isinstance(a, int) else
-                                                 node(f, a, b))
+                    rows[m.unit] = _chunked_rows(size, m.rows, _arithmetic(emit))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
                 args.append(_slice_rows(node, x, r.shape, m,
@@ -475,7 +473,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
         if r.meta.dim is not None:
-            rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta, lambda f, a, b: f(a, b)))
+            rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta.rows, lambda f, a, b: f(a, b)))
         p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None)
         env[x] = p
     for x in sizes:
@@ -515,11 +513,12 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
                and _along_chunk_dim(o, meta_of) else env[o] for o in outputs]
     for k, o in enumerate(outputs):       # partial sums accumulate inside: one buffer, not one per slice
         if meta_by_fx[o].need_sum:
+            dtype = _sum_dtype(o)
             acc = sub.placeholder(f"{o.name}_sum")
-            acc.meta["val"] = o.meta["val"].to(_sum_dtype(o))
+            acc.meta["val"] = o.meta["val"].to(dtype)
             part = results[k]
-            if _sum_dtype(o) is not o.meta["val"].dtype:
-                part = sub.call_function(torch.ops.prims.convert_element_type.default, (part, _sum_dtype(o)))
+            if dtype is not o.meta["val"].dtype:
+                part = sub.call_function(torch.ops.prims.convert_element_type.default, (part, dtype))
             results[k] = sub.call_function(aten.add.Tensor, (acc, part))
     sub.output(tuple(results))
     count_broadcast_sums(sub)       # label smoothing's sum over the vocabulary, exact_sums.py
@@ -543,7 +542,7 @@ class _Lengths:
         # the chunked rows in this slice: those of one group, and the row a value a row short
         # lacks in the last slice
         rows = replace(first.rows, tail=first.rows.tail if last else 0)
-        self.known = {first.unit: _chunked_rows(length, ChunkMeta(first.dim, rows=rows), self._call)}
+        self.known = {first.unit: _chunked_rows(length, rows, self._call)}
 
     def _call(self, f, a, b):
         return self.graph.call_function(f, (a, b))

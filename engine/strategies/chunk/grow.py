@@ -598,8 +598,8 @@ class _Grower:
         first = over[0]
         self.size = first.shape[norm_dim(action.dim, rank_of(first))]
         if self.groups != 1:
-            per = simplify(sympy.cancel(sympy.sympify(self.size) / self.groups))
-            if not same_size(per * self.groups, self.size) or simplify(sympy.fraction(sympy.sympify(per))[1]) != 1:
+            per = _whole_quotient(self.size, self.groups)
+            if per is None:
                 raise Refused(f"the {self.size} rows of %{first.name} are not {self.groups} groups of rows")
             if not is_static(per) and self.graph.slicing is not SliceSizes.FIXED_COUNT:
                 raise RefusedDynamic(f"the rows of %{first.name} would be sliced inside each of {self.groups} "
@@ -664,8 +664,8 @@ class _Grower:
             # A group's rows are a formula (a sequence of s0 tokens): the region is sliced in whole
             # groups, a fixed count of them (regroup refuses other backends). Its rows are counted
             # in groups from here on: each value's unit is its rows per group.
-            size = simplify(sympy.cancel(self.size / granule))
-            if simplify(sympy.fraction(size)[1]) != 1:
+            size = _whole_quotient(self.size, granule)
+            if size is None:
                 raise Refused(f"the chunked dim's {self.size} rows are not whole groups of {granule} rows")
             self.meta = {k: replace(m, rows=replace(m.rows, unit=as_unit(unit_formula(m.unit) * granule)))
                          if m.dim is not None else m for k, m in self.meta.items()}
@@ -980,6 +980,12 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
         if len(inside.chunks) > len(region.chunks):
             return inside
     return region
+
+
+def _whole_quotient(size: Any, by: Any) -> Any:
+    """`size / by`, a formula, where it is whole for every size (`2*s0 / 2`, `4*s0 / s0`), else None."""
+    quotient = simplify(sympy.cancel(sympy.sympify(size) / by))
+    return quotient if simplify(sympy.fraction(quotient)[1]) == 1 else None
 
 
 def _whole_groups(region: ChunkRegion) -> int | None:
