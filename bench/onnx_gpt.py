@@ -15,6 +15,7 @@ to measure, one thread):
 Prints a table, then the remat/original peak ratio last.
 
     python bench/onnx_gpt.py [--vocab 4096 --batch 8 --layers 4 --d-model 256 --seq 512] [--label-shift] [--ncl-loss]
+        [--dynamic batch-seq|seq]
 """
 from __future__ import annotations
 
@@ -51,11 +52,13 @@ def main() -> None:
                     help="the loss reads logits[:, :-1] against targets[:, 1:] (transformers before 4.46)")
     ap.add_argument("--ncl-loss", action="store_true",
                     help="cross-entropy on logits.transpose(1, 2), the (N, C, L) form")
+    ap.add_argument("--dynamic", choices=["batch-seq", "seq"],
+                    help="export with symbolic batch and sequence dims, or the sequence alone")
     args = ap.parse_args()
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     seq=args.seq, batch=args.batch, label_shift=args.label_shift, ncl_loss=args.ncl_loss)
     tmp = Path(tempfile.mkdtemp(prefix="remat-bench-"))
-    path, grad_error = export_gpt(cfg, tmp / "gpt.onnx")
+    path, grad_error = export_gpt(cfg, tmp / "gpt.onnx", {None: False, "batch-seq": True, "seq": "seq"}[args.dynamic])
     feeds = dict(np.load(path.with_suffix(".inputs.npz")))
     reference = run(path, feeds)
     graph = import_model(path)

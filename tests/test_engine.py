@@ -531,7 +531,7 @@ def test_onnx_parameters_keep_their_places_past_an_absent_optional_input():
 def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     """A value with the chunked rows [lead:-tail] (a label shift's `logits[:-1]`): the first
     slice is longer than `lead`, the last longer than `tail`, and each slice holds its share."""
-    from engine.strategies.chunk import Rows, shifted_bounds, slice_sizes
+    from engine.strategies.chunk import Rows, shifted_edges, slice_sizes
 
     assert slice_sizes(10, 3, tail=1) == [4, 4, 2]
     assert slice_sizes(10, 3, tail=2) == [4, 6]           # a last slice of 2 holds none of [:-2]
@@ -540,11 +540,16 @@ def test_slices_hold_rows_of_a_value_that_starts_in_or_ends_short():
     assert shifted.total(10) == 7
     assert [shifted.span(a, b, 10) for a, b in [(0, 4), (4, 8), (8, 10)]] == [(0, 3), (3, 7), (7, 7)]
     assert Rows(unit=Fraction(1, 4)).span(8, 16, 32) == (2, 4)
-    # a slice x[1:-2] in the slice [0, 4): the output's rows 1..3 of the input's 0..3
-    assert shifted_bounds(Rows(), shifted, 0, 4, 10) == (1, 4)
-    assert shifted_bounds(Rows(), shifted, 4, 8, 10) == (0, 4)
-    assert shifted_bounds(Rows(), shifted, 6, 10, 10) == (0, 2)
-    assert shifted_bounds(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold
+    # a slice x[1:-2] in the slice [0, 4): the output's rows 1..3 of the input's 0..3, none after
+    assert shifted_edges(Rows(), shifted, 0, 4, 10) == (1, 0)
+    assert shifted_edges(Rows(), shifted, 4, 8, 10) == (0, 0)
+    assert shifted_edges(Rows(), shifted, 6, 10, 10) == (0, 2)
+    assert shifted_edges(Rows(), Rows(), 0, 4, 10) is None       # x[0:n]: its own bounds hold
+    # at a dynamic size only the last slice drops rows (no lead there): those it lacks at the end
+    short = Rows(tail=1)
+    assert shifted_edges(Rows(), short, None, None, None, last=False) == (0, 0)
+    assert shifted_edges(Rows(), short, None, None, None, last=True) == (0, 1)
+    assert shifted_edges(short, Rows(tail=3), None, None, None, last=True) == (0, 2)
 
 
 def test_rows_in_groups_are_sliced_inside_every_group_and_follow_reshapes():

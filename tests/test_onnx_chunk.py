@@ -17,6 +17,7 @@ from backends.onnx.rewrite import apply_rules  # noqa: E402
 from backends.onnx.runtime import max_relative_error, run  # noqa: E402
 from backends.onnx.torch_export import errors_against_torch, export_training_step  # noqa: E402
 from dsl.loader import compile_text  # noqa: E402
+from engine.shapes import evaluate  # noqa: E402
 
 from test_chunk import (_BETWEEN, ATTENTION_RULE, CHUNK_RULE, LOSS_GRANULES, Attention, ChainHead,  # noqa: E402
                         DropoutAttention, Head, HeadThen, LogitsAndLoss, LossHead, NCLHead, ShiftHead, SliceThen, SoftcapHead,
@@ -402,3 +403,44 @@ def test_a_label_shift_over_dynamic_dims_runs_in_whole_sequences(drop):
         feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
         error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
         assert error <= 1e-4, (batch, seq, where)
+
+
+@pytest.mark.parametrize("loss,batch,count", [("last", 1, 4), ("last", 2, 3), ("ncl", 3, 5)])
+def test_a_dynamic_length_of_a_static_batch_is_sliced_inside_each_sequence(loss, batch, count):
+    """Exported with the sequence dynamic and the batch not, fewer sequences than the rule's
+    slices: the Loop slices the sequence of every batch row (Rows.outer), its slices and their
+    shapes computed from the graph inputs' dims. At batch 1 the label shift `logits[:, :-1]`
+    slices the chunked dim itself: the Loop runs full slices over the rows before the last and
+    one more slice of what is left, at least the row the shifted logits lack, so the last slice
+    holds a row fewer (none at some lengths). Both were refused, or ran whole sequences, before
+    (slices along a dynamic dim at static sizes only)."""
+    torch.manual_seed(0)
+    rules = compile_text(CHUNK_RULE.format(count=count), "chunk.rule")
+    module = NCLHead(16, 300) if loss == "ncl" else ShiftHead(16, 300, loss)
+    exported = export_training_step(module, _softcap_inputs(batch, 24, 16, 300), ["x", "labels"],
+                                    dynamic_dims={1: "seq"})
+    rewrite = apply_rules(import_model(exported.model), rules, strict=True)
+    assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    assert len(region.chunks) == count and {m.rows.outer for m in region.meta.values() if m.dim is not None} == {1, batch}
+    assert region.edges == (0, 1 if loss == "last" else 0)
+    graph = rewrite.graph
+    outside = [o.numel for n in graph.nodes if n.op != "Loop" for o in n.outputs if o.shape is not None]
+    assert max(evaluate(k, graph.dim_examples) for k in outside) < batch * 23 * 300
+    model = export_model(graph)
+    for seq in (24, 17, 7, 6, 2):       # at batch 1, 7: the last slice holds the shifted logits' last row; 6: none
+        x, labels = _softcap_inputs(batch, seq, 16, 300)
+        feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
+        error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
+        assert error <= 1e-4, (seq, where)
+
+
+def test_the_first_row_dropped_from_one_sequence_at_a_dynamic_length_is_refused_with_its_reason():
+    """`logits[:, 1:]` at batch 1, the sequence dynamic: a first slice of a computed size may be
+    shorter than the row dropped, so the region is refused, and says so."""
+    exported = export_training_step(ShiftHead(16, 300, "first"), _softcap_inputs(1, 24, 16, 300), ["x", "labels"],
+                                    dynamic_dims={1: "seq"})
+    refused = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=4), "chunk.rule"))
+    assert refused.chunked == 0
+    reasons = " ".join(str(r.reason) for r in refused.chunk_result.planning.refusals)
+    assert "1 rows in from its start" in reasons, reasons

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from engine.errors import GraphError
 from engine.order import order_near
-from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, grouped, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, grouped, shifted_edges
 
 from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
@@ -58,22 +58,19 @@ def _with_bounds(node: fx.Node, meta_of: dict, piece: "_Slice", env: dict[fx.Nod
                  graph: fx.Graph) -> fx.Node:
     """Copy a slice along the chunk dim into the body of `piece`: its bounds are where, in that
     slice, the rows of its output (a slice_scatter: of the value it writes) lie among the rows
-    of its input (a slice_scatter: of its output) (engine shifted_bounds). In a slice of a
-    dynamic size, counted from the slice's ends: the rows the inner value lacks at the end
-    of the last slice (the grower keeps dynamic regions' rows from the start, Rows.lead)."""
+    of its input (a slice_scatter: of its output) (engine shifted_edges), counted from the
+    slice's ends, so that they hold at a dynamic size too."""
     base, outer_arg, inner_arg = _SLICE_BOUNDS[node.target]
     outer = meta_of[node.args[outer_arg]] if outer_arg is not None else meta_of[node]
     inner = meta_of[node.args[inner_arg]] if inner_arg is not None else meta_of[node]
     copy = graph.node_copy(node, lambda x: env[x])
-    if piece.dynamic:
-        short = inner.rows.tail - outer.rows.tail if piece.last else 0
-        bounds = None if not (outer.rows.shifted or inner.rows.shifted) else (0, -short if short else SLICE_DEFAULTS["ends"])
-    else:
-        bounds = shifted_bounds(outer.rows, inner.rows, piece.start, piece.end, piece.total)
-    if bounds is None:
+    edges = shifted_edges(outer.rows, inner.rows, piece.start, piece.end, piece.total,
+                          piece.last if piece.dynamic else None)
+    if edges is None:
         return copy         # it keeps every row (x[0:n]): its bounds hold for any slice
+    before, after = edges
     tensors = min(ATTRIBUTE_ARGS[base])       # the tensor arguments before the dim
-    copy.args = (*copy.args[:tensors], _slice_dim(node), *bounds, 1)
+    copy.args = (*copy.args[:tensors], _slice_dim(node), before, -after if after else SLICE_DEFAULTS["ends"], 1)
     copy.kwargs = {}
     return copy
 

@@ -32,7 +32,7 @@ from engine.errors import GraphError
 from engine.ir import Graph, Node, Value
 from engine.order import order_near, producers
 from engine.shapes import Dim, simplify
-from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, grouped, shifted_bounds
+from engine.strategies.chunk import ChunkMeta, ChunkPhase, ChunkRegion, grouped, shifted_edges
 from engine.strategies.chunk.kinds import int_param
 from engine.strategies.replay import instantiate
 
@@ -80,6 +80,7 @@ class _Run:
     size_dim: Dim
     count_dim: Dim
     total: int | None = None    # the chunked value's rows, in a static region
+    last: bool = False          # in a dynamic region: the run of what is left, which holds the last rows
 
     @property
     def static(self) -> bool:
@@ -89,25 +90,40 @@ class _Run:
         """A value's rows in each slice of the run (its first slice's: a run is slices of one
         class, ChunkRegion.slice_class, so all have the same)."""
         if meta.rows.shifted:
+            if self.total is None:      # dynamic: rows from the start, the last run a tail short
+                return simplify(self.size_dim - meta.rows.tail) if self.last else self.size_dim
             return meta.length(self.offset, self.offset + self.size, self.total)
         return meta.rows.scale(self.size_dim)
+
+    def edges(self, outer: ChunkMeta, inner: ChunkMeta) -> tuple[int, int] | None:
+        """The rows of `outer` before and after those of `inner` in the run's slices (engine
+        shifted_edges)."""
+        if self.total is None:
+            return shifted_edges(outer.rows, inner.rows, None, None, None, self.last)
+        return shifted_edges(outer.rows, inner.rows, self.offset, self.offset + self.size, self.total)
 
 
 def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
     """The region's slices as runs of one size. A dynamic region: slices of `region.slice_size`
     computed from the graph's shapes (at least one), then one more of what is left, which may be
-    empty (every shape stays the same from slice to slice, as a Loop's scan outputs must)."""
+    empty (every shape stays the same from slice to slice, as a Loop's scan outputs must). A
+    value that ends `tail` rows short of the chunked value's (the label shift of one sequence,
+    `logits[:-1]`) has every row of the full slices where what is left holds at least `tail`
+    rows: they are counted in the rows that are not full slices."""
     if region.extent is None:
         return [_Run(size, count, offset, size, count, sum(region.chunks)) for size, count, offset in _groups(region)]
     dims = DimEmitter(graph, g.add, g.const)
     extent, size_dim = region.extent, region.slice_size
+    tail = region.edges[1]
     n, size = dims.emit(extent), dims.emit(size_dim)
-    count = g.add("Div", [n, size], "slice_count", DType.INT64, (1,))
+    full = g.add("Sub", [n, g.const("tail_rows", np.array([tail], np.int64))], "rows_before_tail",
+                 DType.INT64, (1,)) if tail else n
+    count = g.add("Div", [full, size], "slice_count", DType.INT64, (1,))
     done = g.add("Mul", [count, size], "sliced_rows", DType.INT64, (1,))
     rest = g.add("Sub", [n, done], "rest_rows", DType.INT64, (1,))
-    count_dim = sympy.floor(extent / size_dim)
+    count_dim = sympy.floor((extent - tail) / size_dim)
     return [_Run(size, dims.scalar(count, "trip_count"), 0, size_dim, count_dim),
-            _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1)]
+            _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1, last=True)]
 
 
 def _sliced_shape(v: Value, meta: ChunkMeta, run: _Run, slices: Dim = 1) -> tuple | None:
@@ -191,12 +207,20 @@ def _shape_without_reading(node: Node, g: "_Graph", dims: DimEmitter) -> Value:
     start, end = node.attrs.get("start", 0), node.attrs.get("end")
     part = list(v.shape)[start:end]
     name = node.outputs[0].name
-    if all(isinstance(d, int) for d in part):
-        return g.const(f"{name}_static", np.array(part, np.int64))
-    sizes = [dims.emit(d) for d in part]
-    if len(sizes) == 1:
-        return sizes[0]
-    return g.add("Concat", sizes, f"{name}_dims", DType.INT64, (len(part),), {"axis": 0})
+    if len(part) == 1 and not isinstance(part[0], int):
+        return dims.emit(part[0])
+    return _shape_value(g, dims, part, f"{name}_dims", target=False)
+
+
+def _shape_value(g: "_Graph", dims: DimEmitter, shape, base: str, target: bool = True) -> Value:
+    """`shape` as an int64 tensor: a constant at static sizes; a Reshape's `target` with one
+    dynamic dim, a constant with -1 there (no other dim is 0); else computed before the Loops
+    from the graph inputs' dims (DimEmitter)."""
+    shape = list(shape)
+    dynamic = [k for k, d in enumerate(shape) if not isinstance(d, int)]
+    if not dynamic or (target and len(dynamic) == 1 and all(d != 0 for d in shape)):
+        return g.const(base, np.array([-1 if k in dynamic else d for k, d in enumerate(shape)], np.int64))
+    return g.add("Concat", [dims.emit(d) for d in shape], base, DType.INT64, (len(shape),), {"axis": 0})
 
 
 def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
@@ -275,10 +299,27 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
             return scaled
         return g.add("Div", [scaled, size(denominator, "unit_per")], f"{x.name}_rows", DType.INT64, (1,))
 
+    def short(x: Value, m: ChunkMeta) -> Value:
+        """`x` less the rows a value ends short, in a dynamic region's last run (_Run.rows)."""
+        if not (m.rows.tail and run.last and run.total is None):
+            return x
+        return g.add("Sub", [x, g.const("tail_rows", np.array([m.rows.tail], np.int64))], f"{x.name}_short",
+                     DType.INT64, (1,))
+
+    def slice_rows(m: ChunkMeta) -> Value:
+        """The rows a value with `m` has in this run's slices along its chunk dim (_Run.rows)."""
+        own = short(rows(size, m.unit), m)
+        if m.rows.outer == 1:
+            return own
+        return g.add("Mul", [own, g.const("groups", np.array([m.rows.outer], np.int64))], f"{own.name}_in_groups",
+                     DType.INT64, (1,))
+
     def span(m: ChunkMeta) -> tuple[Value, Value]:
         """The value's own rows of the slice [start, end) (Rows.span), computed in the body."""
         if not m.rows.shifted:
             return rows(start, m.unit), rows(end, m.unit)
+        if run.total is None:       # dynamic: rows from the start, the last run a tail short
+            return start, short(end, m)
         lead = g.const("lead_rows", np.array([m.rows.lead], np.int64))
         lo = g.add("Max", [g.add("Sub", [start, lead], "shifted_start", DType.INT64, (1,)),
                            g.const("zero", np.array([0], np.int64))], "own_start", DType.INT64, (1,))
@@ -293,19 +334,19 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
             continue
         shaped, whole = region.shaped_like(v), v
         if shaped is not v:     # read in the shape from before a skipped reshape (ChunkRegion.reshaped_to)
-            whole = g.add("Reshape", [v, g.const(f"{v.name}_shape", np.array(region.reshaped_to(v), np.int64))],
+            whole = g.add("Reshape", [v, _shape_value(g, dims, region.reshaped_to(v), f"{v.name}_shape")],
                           f"{v.name}_reshaped", v.dtype, shaped.shape)
         in_groups = m.rows.outer != 1       # groups of the chunked rows: sliced inside each (Rows.outer)
         flat = _sliced_shape(shaped, m, run)
         if in_groups:
             split, m = grouped(m, tuple(shaped.shape))
-            whole = g.add("Reshape", [whole, g.const(f"{v.name}_groups", np.array(split, np.int64))],
+            whole = g.add("Reshape", [whole, _shape_value(g, dims, split, f"{v.name}_groups")],
                           f"{v.name}_grouped", v.dtype, split)
         axis = g.const("slice_axis", np.array([m.dim % _rank(whole)], np.int64))
         env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
                            _sliced_shape(whole, m, run))
         if in_groups:
-            env[id(v)] = g.add("Reshape", [env[id(v)], g.const(f"{v.name}_slice_shape", np.array(flat, np.int64))],
+            env[id(v)] = g.add("Reshape", [env[id(v)], _shape_value(g, dims, flat, f"{v.name}_slice_shape")],
                                f"{v.name}_slice_rows", v.dtype, flat)
     elided = {id(n) for n in region.elided}
 
@@ -326,7 +367,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
-            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, rows(size, m.unit))
+            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, slice_rows(m))
         attrs = dict(node.attrs)
         if node.op in _SHIFTS and m.dim is not None:
             _SHIFTS[node.op](g, node, region, run, inputs, attrs)
@@ -393,14 +434,15 @@ def _groups(region: ChunkRegion) -> list[tuple[int, int, int]]:
 
 
 def _bounds_at(region: ChunkRegion, run: _Run, outer: Value, inner: Value) -> tuple[int, int, int] | None:
-    """(the chunk dim, then where the rows of `inner` lie among those of `outer` in the slices
-    of `run`, engine shifted_bounds), for a slice or pad that shifts the chunk dim's rows; None
-    for one that does not (its bounds on it are the whole slice whatever its size, or it works
-    along other dims)."""
+    """(the chunk dim, then how many rows of `outer` lie before and after those of `inner` in the
+    slices of `run`, engine shifted_edges), for a slice or pad that shifts the chunk dim's rows;
+    None for one that does not (its bounds on it are the whole slice whatever its size, or it
+    works along other dims)."""
     o, i = region.meta_of(outer), region.meta_of(inner)
-    if o.dim is None or not (o.rows.shifted or i.rows.shifted):
-        return None         # every row, in slices of any size (a dynamic region's are computed)
-    return (o.dim % _rank(outer), *shifted_bounds(o.rows, i.rows, run.offset, run.offset + run.size, run.total))
+    if o.dim is None:
+        return None
+    edges = run.edges(o, i)
+    return None if edges is None else (o.dim % _rank(outer), *edges)
 
 
 def _constant_ints(node: Node, name: str, position: int) -> list[int]:
@@ -417,7 +459,7 @@ def _shift_slice(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: 
     bounds = _bounds_at(region, run, node.inputs[0], node.outputs[0])
     if bounds is None:
         return
-    dim, lo, hi = bounds
+    dim, before, after = bounds
     starts, ends = _constant_ints(node, "starts", 1), _constant_ints(node, "ends", 2)
     axes = int_param(node, "axes", 3)
     rank = _rank(node.inputs[0])
@@ -425,7 +467,7 @@ def _shift_slice(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: 
     if dim not in axes:
         return
     k = axes.index(dim)
-    starts[k], ends[k] = lo, hi
+    starts[k], ends[k] = before, -after if after else _END      # from the slice's ends: any size
     if "starts" in attrs:           # opset 1-9: attributes
         attrs["starts"], attrs["ends"] = starts, ends
     else:
@@ -439,7 +481,7 @@ def _shift_pad(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: li
     bounds = _bounds_at(region, run, node.outputs[0], node.inputs[0])
     if bounds is None:
         return
-    dim, lo, hi = bounds
+    dim, before, after = bounds
     rank = _rank(node.inputs[0])
     pads = _constant_ints(node, "pads", 1)
     axes = int_param(node, "axes", 3)
@@ -447,7 +489,7 @@ def _shift_pad(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: li
     if dim not in axes:
         return
     k = axes.index(dim)
-    pads[k], pads[k + len(axes)] = lo, run.rows(region.meta_of(node.outputs[0])) - hi
+    pads[k], pads[k + len(axes)] = before, after
     if "pads" in attrs:
         attrs["pads"] = pads
     else:
@@ -455,6 +497,7 @@ def _shift_pad(g: _Graph, node: Node, region: ChunkRegion, run: _Run, inputs: li
 
 
 # Ops along the chunk dim whose bounds differ from slice to slice (engine Rows.lead, Rows.tail).
+_END = np.iinfo(np.int64).max       # a Slice's end past any size
 _SHIFTS = {"Slice": _shift_slice, "Pad": _shift_pad}
 
 
@@ -495,7 +538,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             for it in range(run.count):
                 totals, sliced = _inline(g, body, it, totals)
                 for k, s in enumerate(sliced):
-                    pieces[k].append(_in_groups(g, s, shaped[k], scan_meta[k], run) if in_groups[k] else s)
+                    pieces[k].append(_in_groups(g, dims, s, shaped[k], scan_meta[k], run) if in_groups[k] else s)
             continue
         outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
@@ -507,7 +550,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
         totals = outs
         for k, (o, s, dim, like) in enumerate(zip(scans, stacked, scan_dims, shaped)):
             if in_groups[k]:
-                s = _in_groups(g, s, like, scan_meta[k], run, stacked=True)
+                s = _in_groups(g, dims, s, like, scan_meta[k], run, stacked=True)
             pieces[k].append(_unstack(g, s, like, dim, run, scan_meta[k]))
     for o, total in zip(sums, totals):
         g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
@@ -520,7 +563,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
         else:
             whole = parts[0]
         if whole is not o:
-            g.nodes.append(Node("Reshape", [whole, g.const(f"{o.name}_shape", np.array(o.shape, np.int64))], [o],
+            g.nodes.append(Node("Reshape", [whole, _shape_value(g, dims, o.shape, f"{o.name}_shape")], [o],
                                 {}, names(f"{o.name}_reshaped")))
     return g.nodes, g.initializers
 
@@ -540,11 +583,12 @@ def _inline(g: _Graph, body: Graph, iteration: int, carried: list[Value]) -> tup
     return results[:len(carried)], results[len(carried):]
 
 
-def _in_groups(g: _Graph, piece: Value, like: Value, meta: ChunkMeta, run: _Run, stacked: bool = False) -> Value:
+def _in_groups(g: _Graph, dims: DimEmitter, piece: Value, like: Value, meta: ChunkMeta, run: _Run,
+               stacked: bool = False) -> Value:
     """A slice of an output of groups of the chunked rows (or the Loop's stack of them), its
     rows (groups x rows) split into the shape `like` joins them in (engine `grouped`)."""
     shape = (*((run.count_dim,) if stacked else ()), *_sliced_shape(like, meta, run))
-    return g.add("Reshape", [piece, g.const(f"{like.name}_slice_groups", np.array(shape, np.int64))],
+    return g.add("Reshape", [piece, _shape_value(g, dims, shape, f"{like.name}_slice_groups")],
                  f"{piece.name}_grouped", piece.dtype, shape)
 
 

@@ -906,12 +906,15 @@ def export_checked(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], ou
     return save(exported, path), error
 
 
-def export_gpt(cfg, output: str | Path, dynamic: bool = False, exporter: str = "make-fx"
+def export_gpt(cfg, output: str | Path, dynamic: bool | str = False, exporter: str = "make-fx"
                ) -> tuple[Path, Verification]:
-    """Export the GPT-like training step of docs/design.md, check its gradients against torch, save it."""
+    """Export the GPT-like training step of docs/design.md, check its gradients against torch, save
+    it. `dynamic`: True for a symbolic batch and sequence, "seq" for the sequence alone."""
     from backends.models import gpt
 
     model = gpt(cfg)
-    return export_checked(model, model.example_inputs(), output, ["idx", "targets"],
-                          {0: "batch", 1: "seq"} if dynamic else None,
-                          {"seq": cfg.seq} if dynamic else None, exporter)
+    dims = {0: "batch", 1: "seq"} if dynamic is True else {1: "seq"} if dynamic == "seq" else None
+    if dynamic not in (False, True, "seq"):
+        raise ValueError(f"dynamic={dynamic!r}: True, False or 'seq'")
+    return export_checked(model, model.example_inputs(), output, ["idx", "targets"], dims,
+                          {"seq": cfg.seq} if dims else None, exporter)

@@ -35,9 +35,11 @@ A slice along the chunk dim itself (the label shift of one sequence: `logits[:-1
 `labels[1:]`, where the tokens are the sequence) keeps some of the chunked rows (Rows.lead,
 Rows.tail): each slice of the chunk holds the ones that fall in it, the first or last fewer,
 so the backends run those in bodies of their own (ChunkRegion.slice_class), and the slice's
-gradient (a pad, a slice_scatter into zeros) puts the zeros back. At a dynamic size, on a
-backend that runs a fixed count of slices (fx), a value may end a row short (the label shift
-again): the last slice, the rest of the rows, is never empty.
+gradient (a pad, a slice_scatter into zeros) puts the zeros back. At a dynamic size a value
+may end short (the label shift again), never start in: the slice that holds the last rows is
+never empty. On a backend that runs a fixed count of slices (fx) it is the rest of the rows, at
+least one, so a value may end a row short there; on one that computes the slices in the graph
+(ONNX), what is left after the full slices of the rows before the tail, at least the tail.
 
 Values the region reads but does not slice (weights, the global count of a mean over
 non-ignored labels) are computed outside it, whole, so a mean is divided by the global
@@ -458,7 +460,7 @@ class _Grower:
         negative: a pad adds them) (DimMap.shifted)."""
         if not lead and not tail:
             return rows         # every row (`x[:, :-1]` slices dim 0 whole at dynamic sizes)
-        if not is_static(self.size) and self.graph.slicing is not SliceSizes.FIXED_COUNT:
+        if not is_static(self.size) and self.graph.slicing is SliceSizes.STATIC:
             raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
                                  f"{self.size}: slices that start or end inside it are built at static sizes only "
                                  f"on this backend")
@@ -472,15 +474,20 @@ class _Grower:
                           f"its last)")
         if shifted.total(self._at_examples(self.size)) < 1:
             raise Refused(f"{node.op} {node.name} leaves no rows of the chunk dim")
-        if not is_static(self.size) and (shifted.lead or shifted.tail > 1):
-            # A fixed count of slices of floor(size / count) rows, the last the rest: the last
-            # is never empty, so a value one row short (the label shift of one sequence,
-            # `logits[:-1]`) has rows in it at any size; the first may be, and is shorter than
-            # any row dropped at the start.
+        most = 1 if self.graph.slicing is SliceSizes.FIXED_COUNT else None
+        if not is_static(self.size) and (shifted.lead or (most is not None and shifted.tail > most)):
+            # At a dynamic size the slices that hold a value's last rows are the last ones: a
+            # fixed count of slices of floor(size / count) rows (fx) has a last slice that is
+            # never empty, so a value one row short (the label shift of one sequence,
+            # `logits[:-1]`) has rows in it at any size; slices computed in the graph (ONNX)
+            # run every slice whole but a last one that holds what is left, at least the rows
+            # any value ends short (SliceSizes.COMPUTED). A first slice of a dynamic size may be
+            # shorter than any row dropped at the start.
+            short = "only end a row short" if most else "only end short"
             raise RefusedDynamic(f"{node.op} {node.name} slices the chunked dim, of the symbolic size "
                                  f"{self.size}, {shifted.lead} rows in from its start and {shifted.tail} "
                                  f"short of its end: slices of a dynamic size hold such rows at static sizes "
-                                 f"only (at dynamic ones, a value may only end a row short)")
+                                 f"only (at dynamic ones, a value may {short})")
         return shifted
 
     def include_reshaped(self, node: Node, kind: str, inputs: list[Value]) -> None:
@@ -601,7 +608,7 @@ class _Grower:
             per = _whole_quotient(self.size, self.groups)
             if per is None:
                 raise Refused(f"the {self.size} rows of %{first.name} are not {self.groups} groups of rows")
-            if not is_static(per) and self.graph.slicing is not SliceSizes.FIXED_COUNT:
+            if not is_static(per) and self.graph.slicing is SliceSizes.STATIC:
                 raise RefusedDynamic(f"the rows of %{first.name} would be sliced inside each of {self.groups} "
                                      f"groups of the symbolic size {per}: built at static sizes only on this backend")
             self.size = int(per) if is_static(per) else per
@@ -682,9 +689,9 @@ class _Grower:
             constrained = sorted(sliced & self.graph.constrained_dims)
             if constrained:
                 count = self.exact_count(size, count, fixed, constrained)
-            if not fixed and any(m.rows.shifted for m in self.meta.values() if m.dim is not None):
+            if not fixed and any(m.rows.lead for m in self.meta.values() if m.dim is not None):
                 raise RefusedDynamic(f"the slice count `{action.count.text}` depends on a dynamic dim, and "
-                                     f"a slice along the chunk dim needs slices built at static sizes")
+                                     f"a value that starts inside the chunk dim needs slices built at static sizes")
             # A fixed count is the count at the example sizes: every size runs that many slices.
             extent, count_formula, slicing = size, count if fixed else formula, self.graph.slicing
         normalizer = next((op.rpartition("::")[2] for op in (n.decomposed_from or n.op for n in nodes)

@@ -57,15 +57,16 @@ class Rows:
     `logits[:-1]`) keeps the chunked rows [lead, size - tail), row for row: its row r is row
     r + lead of the chunked value, and a slice of the chunked value holds the part of the
     value that falls in it (the first slice `lead` rows fewer, the last `tail` fewer). Either
-    the unit or the lead and tail, never both: the grower refuses the mix. At a dynamic size
-    (a fixed count of slices, SliceSizes.FIXED_COUNT) no lead and a tail of at most one row.
+    the unit or the lead and tail, never both: the grower refuses the mix. At a dynamic size no
+    lead, and on a backend that runs a fixed count of slices (SliceSizes.FIXED_COUNT) a tail of
+    at most one row.
     `outer`: the dim holds `outer` groups of those rows one after another, as the flat
     (tokens, vocab) logits hold the sequence of each batch row where the region slices the
     sequence inside every row (the (N, C, L) loss at batch 2): rows [a, b) of the chunked value
     are rows [g * n + a, g * n + b) of each group g of n rows. Not strided rows of a memory
     layout: the backends slice and join such a value in the shape that splits its dim into
-    (outer, n), `grouped`. A static number of groups, with a unit of one; at a dynamic length on
-    a backend that runs a fixed count of slices (fx)."""
+    (outer, n), `grouped`. A static number of groups, with a unit of one, at static or dynamic
+    lengths."""
 
     unit: Fraction | sympy.Expr = Fraction(1)    # a formula where a reshape groups by a symbolic size
     lead: int = 0
@@ -130,17 +131,23 @@ def unit_denominator(unit: Fraction | sympy.Expr) -> Any:
     return simplify(sympy.fraction(sympy.cancel(unit))[1])
 
 
-def shifted_bounds(outer: "Rows", inner: "Rows", start: int, end: int, size: int) -> tuple[int, int] | None:
-    """Where, in a slice [start, end) of the chunked value, the rows `inner` has lie among the
-    rows `outer` has, as positions in outer's slice: a slice op's bounds in its input's slice
+def shifted_edges(outer: "Rows", inner: "Rows", start: int, end: int, size: int,
+                  last: bool | None = None) -> tuple[int, int] | None:
+    """How many of the rows `outer` has in a slice [start, end) of the chunked value lie before
+    the rows `inner` has there, and how many after: a slice op's bounds in its input's slice
     (outer the input, inner the output), a slice_scatter's in its output's, a pad's in its
     output's (what lies around them is padding). None where neither is shifted: the op keeps
-    every row, and its own bounds hold in any slice."""
+    every row, and its own bounds hold in any slice. `last`, for a slice of a region over a
+    dynamic size (start, end and size unused): whether it holds the chunked value's last rows.
+    Such a region keeps its values' rows from the start (the grower refuses a Rows.lead there),
+    so only that slice drops rows, those inner lacks at the end."""
     if not (outer.shifted or inner.shifted):
         return None
-    o_lo, _ = outer.window(start, end, size)
+    if last is not None:
+        return 0, inner.tail - outer.tail if last else 0
+    o_lo, o_hi = outer.window(start, end, size)
     i_lo, i_hi = inner.window(start, end, size)
-    return i_lo - o_lo, i_hi - o_lo
+    return i_lo - o_lo, o_hi - i_hi
 
 
 def row_edges(metas) -> tuple[int, int]:
