@@ -444,3 +444,31 @@ def test_the_first_row_dropped_from_one_sequence_at_a_dynamic_length_is_refused_
     assert refused.chunked == 0
     reasons = " ".join(str(r.reason) for r in refused.chunk_result.planning.refusals)
     assert "1 rows in from its start" in reasons, reasons
+
+
+def test_partial_sums_of_float16_slices_accumulate_in_float32():
+    """The head's weight gradient in float16, summed over 8 slices: each slice's partial is added
+    in float32, the Loop carries float32 and the total is cast back once. Summed in float16 it was
+    rounded at every slice, 2.1x the original graph's error against float64 (7.7e-4 against
+    3.7e-4); now 1.1x."""
+    torch.manual_seed(0)
+    model = Head(16, 300, "mean").half()
+    x, labels = _inputs(256, 16, 300, 0)
+    exported = export_training_step(model, (x.half(), labels))
+    rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=8), "chunk.rule"),
+                          strict=True)
+    assert rewrite.chunked == 1
+    [loop] = [n for n in rewrite.graph.nodes if n.op == "Loop"]
+    totals = [o for o in loop.outputs if o.name.endswith("_total")]    # the partial sums carried
+    assert totals and all(o.dtype.type_name == "float32" for o in totals)
+    exact = Head(16, 300, "mean").double()
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    exact(x.half().double(), labels).backward()
+    want = exact.head.weight.grad.numpy()
+
+    def error(outputs) -> float:
+        [got] = [v for k, v in outputs.items() if k.startswith("grad") and v.shape == want.shape]
+        return float(abs(got.astype("float64") - want).max() / abs(want).max())
+
+    original = error(run(exported.model, exported.feeds))
+    assert error(run(export_model(rewrite.graph), exported.feeds)) <= 1.5 * original

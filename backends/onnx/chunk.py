@@ -63,6 +63,13 @@ def _numpy_dtype(dtype: DType) -> type:
     raise GraphError(f"a partial sum of type {dtype} cannot start from zero here")
 
 
+def _sum_dtype(output: Value) -> DType:
+    """The type a region output's partial sums accumulate in: float32 for a 16-bit float (each
+    slice's partial summed in 16 bits is rounded at every slice, where the unchunked op sums in
+    float32 inside one kernel; the torch builder does the same), its own otherwise."""
+    return DType.FLOAT32 if output.dtype in (DType.FLOAT16, DType.BFLOAT16) else output.dtype
+
+
 def _rank(v: Value) -> int:
     if v.shape is None:
         raise GraphError(f"%{v.name} has no known rank; the ONNX backend slices values of known rank only")
@@ -270,7 +277,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
     iteration = Value(names("iteration"), DType.INT64, ())
     cond = Value(names("cond"), DType.BOOL, ())
     # A partial sum of a dynamic shape starts as a scalar zero and takes its shape from the first slice.
-    carried = [Value(names(f"{o.name}_sum_in"), o.dtype, o.shape if o.has_static_shape else None) for o in sums]
+    carried = [Value(names(f"{o.name}_sum_in"), _sum_dtype(o), o.shape if o.has_static_shape else None) for o in sums]
     size = run.size if isinstance(run.size, Value) else g.const("slice_size", np.array([run.size], np.int64))
     offset = run.offset if isinstance(run.offset, Value) else g.const("first_offset",
                                                                       np.array([run.offset], np.int64))
@@ -383,8 +390,11 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         for o, new in zip(node.outputs, outs):
             env[id(o)] = new
     cond_out = g.add("Identity", [cond], "cond_out", DType.BOOL, ())
-    sum_outs = [g.add("Add", [acc, env[id(o)]], f"{o.name}_sum_out", o.dtype, o.shape)
-                for acc, o in zip(carried, sums)]
+    partials = [env[id(o)] if _sum_dtype(o) is o.dtype else
+                g.add("Cast", [env[id(o)]], f"{o.name}_partial", _sum_dtype(o), o.shape, {"to": _sum_dtype(o)})
+                for o in sums]
+    sum_outs = [g.add("Add", [acc, part], f"{o.name}_sum_out", acc.dtype, o.shape)
+                for acc, part, o in zip(carried, partials, sums)]
     return Graph(g.nodes, [iteration, cond, *carried], [cond_out, *sum_outs, *(env[id(o)] for o in scans)],
                  g.initializers, name=names("chunk_body"))
 
@@ -524,9 +534,9 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
             shaped[k] = Value(names(f"{o.name}_groups"), o.dtype, split)
     scan_dims = [m.dim % _rank(like) for m, like in zip(scan_meta, shaped)]
     totals = [g.add("ConstantOfShape", [g.const(f"{o.name}_shape", np.array(o.shape, np.int64))],
-                    f"{o.name}_zero", o.dtype, o.shape,
-                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(o.dtype)))}) if o.has_static_shape
-              else g.const(f"{o.name}_zero", np.zeros((), _numpy_dtype(o.dtype))) for o in sums]
+                    f"{o.name}_zero", _sum_dtype(o), o.shape,
+                    {"value": numpy_helper.from_array(np.zeros(1, _numpy_dtype(_sum_dtype(o))))}) if o.has_static_shape
+              else g.const(f"{o.name}_zero", np.zeros((), _numpy_dtype(_sum_dtype(o)))) for o in sums]
     pieces: list[list[Value]] = [[] for _ in scans]
     means = {id(n) for n in region.means}
     divisors = {id(n): _total_weight(g, n, region) for n in phase.nodes if id(n) in means}
@@ -540,7 +550,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
                 for k, s in enumerate(sliced):
                     pieces[k].append(_in_groups(g, dims, s, shaped[k], scan_meta[k], run) if in_groups[k] else s)
             continue
-        outs = [Value(names(f"{o.name}_total"), o.dtype, o.shape) for o in sums]
+        outs = [Value(names(f"{o.name}_total"), _sum_dtype(o), o.shape) for o in sums]
         stacked = [Value(names(f"{o.name}_stacked"), o.dtype,
                          (run.count_dim, *_sliced_shape(like, region.meta_of(o), run)))
                    for o, like in zip(scans, own)]
@@ -553,7 +563,10 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
                 s = _in_groups(g, dims, s, like, scan_meta[k], run, stacked=True)
             pieces[k].append(_unstack(g, s, like, dim, run, scan_meta[k]))
     for o, total in zip(sums, totals):
-        g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
+        if total.dtype is o.dtype:
+            g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
+        else:
+            g.nodes.append(Node("Cast", [total], [o], {"to": o.dtype}, names(f"{o.name}_chunked")))
     for o, parts, dim, like in zip(scans, pieces, scan_dims, shaped):
         whole = o if like is o else Value(names(f"{o.name}_joined"), o.dtype, like.shape)
         if len(parts) > 1:
