@@ -255,20 +255,42 @@ def test_the_label_shift_of_one_sequence_chunks_at_dynamic_lengths(fresh_compile
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 
-def test_unbacked_lengths_run_as_eager_without_torchs_deprecation_warning(fresh_compiles, recwarn):
-    """`mark_unbacked` leaves the shape environment no hint of the length: the importer read the
-    hints from the deprecated `var_to_val` when torch 2.13's `backed_var_to_val` was empty, and
-    the user got torch's FutureWarning from remat. With no size to plan at, the chunk is refused."""
+class _LengthsChecked(torch.nn.Module):
+    """The model, its ids' and targets' lengths said equal (`torch._check`), as remat's notice asks."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        torch._check(idx.size(1) == targets.size(1))
+        return self.model(idx, targets)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_unbacked_lengths_are_planned_at_their_declared_largest(fresh_compiles, recwarn, checked):
+    """`mark_unbacked(t, 1, min=2, max=128)` leaves the shape environment no hint of the length:
+    the importer read the hints from the deprecated `var_to_val` when torch 2.13's
+    `backed_var_to_val` was empty, and the user got torch's FutureWarning from remat; then, with
+    no size to plan at, the chunk was left out with no word. The graph is planned at the largest
+    length declared. Unbacked, the ids' and the targets' lengths are two symbols no guard unites:
+    a notice asks for the check that does, and with it the loss chunk is built, one graph for
+    every length."""
     import torch._dynamo.decorators as decorators
 
     model = gpt(replace(CFG, dropout=0.0, batch=2))
+    model = _LengthsChecked(model) if checked else model
     remat = fx_backend.backend(strict=True)
-    inputs = tuple(t[:2].clone() for t in inputs_of(128))
-    for t in inputs:
-        decorators.mark_unbacked(t, 1, min=2, max=128)
-    _matches_eager(model, torch.compile(model, backend=remat), inputs)
+    compiled = torch.compile(model, backend=remat)
+    for length in (128, 37) if checked else (128,):
+        inputs = tuple(t[:2].clone() for t in inputs_of(length))
+        for t in inputs:
+            decorators.mark_unbacked(t, 1, min=2, max=128)
+        _matches_eager(model, compiled, inputs, length)
     assert not [w for w in recwarn if issubclass(w.category, FutureWarning) and "var_to_val" in str(w.message)]
-    assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == 0
+    assert len(remat.remat_pass.results) == 1 and remat.remat_pass.chunked == int(checked)
+    asked = [n for n in remat.remat_pass.notices if "torch._check(one_size == the_other)" in n]
+    assert bool(asked) != checked, remat.remat_pass.notices
 
 
 @pytest.mark.parametrize("largest", [None, 128])

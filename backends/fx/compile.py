@@ -210,8 +210,8 @@ DYNAMIC_CHUNKS = ("remat: {rules} not applied: this graph's sizes are dynamic (d
 # Two sizes equal at every input the user gives, which Dynamo named apart (two inputs' dims it
 # made dynamic one after the other, or the inputs of a graph after a break): torch._check in the
 # forward makes them one symbol.
-UNPROVEN_SIZES = ("remat: {rule} not applied: its slices need {a} and {b} equal, as they are at these "
-                  "inputs, but torch cannot prove it ({names}). Where they are always equal, say so in "
+UNPROVEN_SIZES = ("remat: {rule} not applied: its slices need {a} and {b} equal, as they are at the "
+                  "sizes it is planned at, but torch cannot prove it ({names}). Where they are always equal, say so in "
                   "the forward beside the loss (after any graph break), {check}, and the chunk is built")
 
 

@@ -222,9 +222,12 @@ def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:
         # torch 2.13 / 2.11 (an empty dict where every symbol is unbacked: 2.13 warns on var_to_val)
         hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
         hint = hints.get(symbol)
-        if hint is None:
-            continue
         upper = getattr(env.var_to_range.get(symbol), "upper", None)
+        if hint is None:
+            # unbacked (`mark_unbacked`): no traced size; planned at the largest it declares, if any
+            if isinstance(upper, sympy.Integer):
+                bounds[str(symbol)] = (int(upper), int(upper))
+            continue
         largest = int(upper) if isinstance(upper, sympy.Integer) and int(upper) >= int(hint) else None
         bounds[str(symbol)] = (int(hint), largest)
     return bounds
