@@ -129,8 +129,11 @@ def _runs(g: "_Graph", region: ChunkRegion, graph: Graph) -> list[_Run]:
     done = g.add("Mul", [count, size], "sliced_rows", DType.INT64, (1,))
     rest = g.add("Sub", [n, done], "rest_rows", DType.INT64, (1,))
     count_dim = sympy.floor((extent - tail) / size_dim)
-    return [_Run(size, dims.scalar(count, "trip_count"), 0, size_dim, count_dim),
-            _Run(rest, 1, done, simplify(extent - count_dim * size_dim), 1, last=True)]
+    left = simplify(extent - count_dim * size_dim)
+    runs = [_Run(size, dims.scalar(count, "trip_count"), 0, size_dim, count_dim)]
+    if left != 0:       # nothing is left where the slices are whole groups a static count divides
+        runs.append(_Run(rest, 1, done, left, 1, last=True))
+    return runs
 
 
 def _sliced_shape(v: Value, meta: ChunkMeta, run: _Run, slices: Dim = 1) -> tuple | None:
@@ -374,7 +377,9 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         inputs = [None if v is None else env.get(id(v), v) for v in node.inputs]
         position = _SHAPE_INPUT.get(node.op)
         if m.dim is not None and position is not None and id(node.inputs[position]) not in env:
-            inputs[position] = _resized_shape(g, node, node.inputs[position], m, run, slice_rows(m))
+            out = node.outputs[0]
+            inputs[position] = _resized_shape(g, dims, node, node.inputs[position], m, run, slice_rows(m),
+                                              _sliced_shape(region.shaped_like(out), m, run))
         attrs = dict(node.attrs)
         if node.op in _SHIFTS and m.dim is not None:
             _SHIFTS[node.op](g, node, region, run, inputs, attrs)
@@ -399,21 +404,24 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
                  g.initializers, name=names("chunk_body"))
 
 
-def _resized_shape(g: _Graph, node: Node, shape: Value, meta: ChunkMeta, run: _Run, size: Value) -> Value:
+def _resized_shape(g: _Graph, dims: DimEmitter, node: Node, shape: Value, meta: ChunkMeta, run: _Run,
+                   size: Value, out_shape: tuple) -> Value:
     """`shape` (the target shape an op reads) with the slice's size at the dim of `meta`
-    (a region whose values' rows are not the chunked value's has static slices)."""
+    (a region whose values' rows are not the chunked value's has static slices). A -1 at
+    another dim becomes that dim of the op's output in the slice (`out_shape`): beside a
+    slice of no rows it would be no size at all."""
     dim = meta.dim
     ints = shape.ints
     if ints is not None:
-        ints = list(ints)
         dim = dim % len(ints)
         if ints[dim] == -1:
             return shape
+        ints = [out_shape[k] if d == -1 and out_shape is not None else d for k, d in enumerate(ints)]
         if isinstance(run.size, int):
             ints[dim] = run.rows(meta)
-            return g.const(f"{shape.name}_slice", np.array(ints, np.int64))
-        parts = [g.const(f"{shape.name}_head", np.array(ints[:dim], np.int64)), size,
-                 g.const(f"{shape.name}_tail", np.array(ints[dim + 1:], np.int64))]
+            return _shape_value(g, dims, ints, f"{shape.name}_slice", target=False)
+        parts = [_shape_value(g, dims, ints[:dim], f"{shape.name}_head", target=False), size,
+                 _shape_value(g, dims, ints[dim + 1:], f"{shape.name}_tail", target=False)]
     else:
         if shape.shape is None or len(shape.shape) != 1 or not isinstance(shape.shape[0], int):
             raise GraphError(f"{node.op} {node.name} makes a sliced value from the shape %{shape.name}, "
