@@ -48,7 +48,7 @@ from torch._prims_common import make_contiguous_strides_for
 from engine.analysis import MemoryModel, PeakEstimate, simulate_peak
 from engine.dtypes import DType
 from engine.ir import Graph, Node, Value
-from engine.shapes import Dim, evaluate
+from engine.shapes import Dim, evaluate, numel
 
 from .aten_ops import slice_arguments
 from .importer import _DTYPES, PLAN, _dim, _dim_examples
@@ -328,7 +328,7 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
         (a kernel of the `backward` graph's, where a saved view is an input of its own size)."""
         if _moves_elements(arg):
             return []             # a permute, an expand, a slice: another index
-        if backward and arg.name in step.saved_views and _numel(_buffer(arg.name, arg.meta.get("val"))) != numel:
+        if backward and arg.name in step.saved_views and _example_numel(arg.meta.get("val")) != numel:
             return []
         if _is_view(arg) or arg.name in fused:
             return _union(same_index(a, numel, backward) for a in arg.all_input_nodes)
@@ -581,6 +581,11 @@ def _buffer(name: str, example) -> Value:
     if isinstance(example, torch.Tensor):
         return Value(name, _DTYPES.get(example.dtype, DType.UNKNOWN), tuple(_dim(d) for d in example.shape))
     return Value(name)
+
+
+def _example_numel(example) -> Dim | None:
+    """The elements of a node's example value (a formula at dynamic sizes); None for a non-tensor."""
+    return numel(tuple(_dim(d) for d in example.shape)) if isinstance(example, torch.Tensor) else None
 
 
 def _numel(v: Value) -> Dim | None:
