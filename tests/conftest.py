@@ -50,26 +50,31 @@ def pytest_configure(config):
     whose Inductor kernels then compiled cold (test_chunk.py: 87 s against 60), and a new zoo mix
     (test_zoo_random.py, 10-100 s). Runs before the test modules are imported, so their own
     @settings inherit the profile."""
+    config.addinivalue_line("markers", "vectorized_kernels: Inductor compiles the test's C++ kernels vectorized "
+                                       "(conftest _scalar_kernels)")
     name = config.getoption("remat_profile", default=None)
     if name:
         settings.load_profile(name)
 
 
-# Inductor's C++ kernels are compiled vectorized (AVX-512 here) for the users' models of the zoo and
-# transformers' GPT-2, as users run them; every other test compiles them scalar (`cpp.simdlen` 1,
-# which matches no vector width: Inductor's own switch for scalar kernels, read per compile). remat
-# hands Inductor a graph; whether each kernel is then written with vector instructions is Inductor's
-# choice below that graph, and the tests of remat's plans, chunks, estimates and numbers hold
-# either way. A vectorized kernel is dearer to compile: g++ instantiates the header's AVX-512
-# templates in every one (0.38 s of CPU in a trivial kernel that takes 0.5 s, against 0.17 s scalar).
-# test_fx_backend.py with test_fx_dropout.py, no Inductor cache: 142.2 s of CPU vectorized, 89.3 and
-# 94.2 s scalar. test_data_parallel.py's ranks patch it themselves; test_pipeline_run.py's compile vectorized.
-VECTORIZED = ("test_zoo.py", "test_zoo_random.py", "test_hf_models.py")
+# Inductor's C++ kernels are compiled scalar (`cpp.simdlen` 1, which matches no vector width:
+# Inductor's own switch for scalar kernels, read per compile) but where a test asks for them as
+# users run them, vectorized (AVX-512 here): the tests marked `vectorized_kernels` (transformers'
+# GPT-2) and the zoo's low-precision variants (tests/zoo.py run_variant, which patches it back:
+# bfloat16 kernels are where Inductor's vector code has failed, "conflicting declaration
+# at_BFloat16_tmp_acc0_vec"). remat hands Inductor a graph; whether each kernel is then written
+# with vector instructions is Inductor's choice below that graph, and the tests of remat's plans,
+# chunks, estimates and numbers hold either way. A vectorized kernel is dearer to compile: g++
+# instantiates the header's AVX-512 templates in every one (0.38 s of CPU in a trivial kernel
+# that takes 0.5 s, against 0.17 s scalar). test_fx_backend.py with test_fx_dropout.py, no
+# Inductor cache: 142.2 s of CPU vectorized, 89.3 and 94.2 s scalar; two zoo variants (session
+# 38): 101 s against 81. test_data_parallel.py's ranks patch it themselves; test_pipeline_run.py's
+# compile vectorized.
 
 
 @pytest.fixture(autouse=True)
 def _scalar_kernels(request):
-    if request.path.name in VECTORIZED or "torch" not in sys.modules:
+    if request.node.get_closest_marker("vectorized_kernels") or "torch" not in sys.modules:
         yield
         return
     import torch._inductor.config as inductor_config

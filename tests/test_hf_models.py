@@ -25,6 +25,7 @@ def training_step(fn, module, inputs) -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.vectorized_kernels      # transformers' GPT-2 as users compile it
 def test_gpt2_through_backend_remat_matches_eager(fresh_compiles):
     # 2 layers, d 64; batch 4 x seq 128 tokens, so that the MLP's activations (512 KiB) pass the
     # shipped rules' size thresholds and remat rewrites the graph it compiles.

@@ -4,8 +4,9 @@ in fp32) and fire the rules it is built for; together they fire every shipped ru
 mixes of the switches: tests/test_zoo_random.py (a file of its own, so that `make test`'s
 workers, a file each, run the two at once).
 
-About 6 minutes on 2 CPU cores with no Inductor cache (one compile per variant; a C++ compile of
-each new kernel)."""
+About 5 minutes of CPU with no Inductor cache (one compile per variant, two where the steps
+draw Inductor's random numbers; a C++ compile of each new kernel, vectorized for the
+low-precision variants only: tests/conftest.py _scalar_kernels)."""
 import pytest
 
 torch = pytest.importorskip("torch")

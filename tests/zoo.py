@@ -848,18 +848,20 @@ def _steps(module, model, batches) -> list[tuple[torch.Tensor, dict[str, torch.T
     return out
 
 
-def _compiled_steps(model, batches, backend, dynamic: bool, eager_random: bool = True):
+def _compiled_steps(model, batches, backend, dynamic: bool, eager_random: bool = True, vectorized: bool = False):
     """The steps through torch.compile(model, backend): Inductor's caches off (the
     fresh_compiles fixture of tests/conftest.py), so remat's pass runs whatever an earlier run
     cached; emulate_precision_casts, so Inductor rounds fp16/bf16 casts where eager does;
-    `eager_random`: fallback_random, eager's random numbers (else Inductor's own)."""
+    `eager_random`: fallback_random, eager's random numbers (else Inductor's own); `vectorized`:
+    C++ kernels at the machine's vector width, Inductor's default, where a test (conftest
+    _scalar_kernels) asked for scalar ones."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
     try:
         with inductor_config.patch(fx_graph_cache=False, emulate_precision_casts=True,
-                                 fallback_random=eager_random), \
+                                 fallback_random=eager_random, **({"cpp.simdlen": None} if vectorized else {})), \
                 functorch_config.patch(enable_autograd_cache=False):
             return _steps(torch.compile(model, backend=backend, dynamic=dynamic or None), model, batches)
     finally:
@@ -895,11 +897,14 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
     model, inputs = build(variant)
     batches = [inputs, second_inputs(variant)]
     eager_random = variant.random == "eager"
+    # Low-precision kernels compiled as users get them, vectorized (conftest _scalar_kernels).
+    low_precision = variant.model == "conv" or (variant.model == "gpt" and variant.precision in LOW_PRECISION)
     if eager_random:
         reference = _steps(model, model, batches)
     else:
         try:
-            reference = _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random=False)
+            reference = _compiled_steps(model, batches, "inductor", variant.dynamic, eager_random=False,
+                                         vectorized=low_precision)
         except Exception as err:        # noqa: BLE001 - torch's failure, not remat's
             res.torch_error = _torch_error(err)
             return res
@@ -910,7 +915,7 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
         backend, res.strict = make_backend(tiers, variant.config)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            compiled = _compiled_steps(model, batches, backend, variant.dynamic, eager_random)
+            compiled = _compiled_steps(model, batches, backend, variant.dynamic, eager_random, low_precision)
         res.compiled = True
         notices = set(getattr(getattr(backend, "remat_pass", None), "notices", []))
         res.warnings = sorted({str(w.message).splitlines()[0][:300] for w in caught
@@ -928,7 +933,7 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
         # Is it torch's failure rather than remat's? The same steps with plain Inductor (which,
         # under Inductor's random, already ran: they are the reference).
         try:
-            _compiled_steps(model, batches, "inductor", variant.dynamic)
+            _compiled_steps(model, batches, "inductor", variant.dynamic, vectorized=low_precision)
         except Exception as err:        # noqa: BLE001
             res.torch_error = _torch_error(err)
         model.zero_grad(set_to_none=True)
@@ -939,9 +944,8 @@ def run_variant(variant: Variant, tiers=None, baseline: bool | None = None) -> Z
         res.refused = chunk_refusals(remat_pass)
     if res.compiled:
         res.loss_err, res.grad_err, res.worst_grad = _errors(compiled, reference)
-    low_precision = variant.model == "conv" or (variant.model == "gpt" and variant.precision in LOW_PRECISION)
     if eager_random and (baseline or (baseline is None and low_precision and res.compiled and not res.within)):
-        plain = _compiled_steps(model, batches, "inductor", variant.dynamic)
+        plain = _compiled_steps(model, batches, "inductor", variant.dynamic, vectorized=low_precision)
         res.base_loss_err, res.base_grad_err, _ = _errors(plain, reference)
         res.base_tolerance = low_precision
     res.seconds = time.perf_counter() - start
