@@ -30,6 +30,13 @@ class DType(Enum):
     def itemsize(self) -> int:
         return self.value[1]
 
+    @property
+    def accumulates_in(self) -> "DType":
+        """The type partial sums of this type add up in (a chunk region's weight gradient, summed
+        slice by slice): float32 for a 16-bit float, whose sums rounded at every slice drift
+        where the unchunked op sums in float32 inside one kernel; its own otherwise."""
+        return DType.FLOAT32 if self in (DType.FLOAT16, DType.BFLOAT16) else self
+
     def __str__(self) -> str:
         return self.type_name
 

@@ -21,12 +21,15 @@ from torch._dynamo.utils import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils.checkpoint import CheckpointPolicy
 
+from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.order import order_near
 from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, grouped, shifted_edges
 
 from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
+from .importer import _DTYPES
+from .replay import _TORCH_DTYPES
 from .sizes import SizeNodes, free_symbols, lower_formula
 
 aten = torch.ops.aten
@@ -433,12 +436,11 @@ def _full(graph: fx.Graph, like: fx.Node, fill: float, shapes: SizeNodes, dtype=
 
 
 def _sum_dtype(output: fx.Node) -> torch.dtype:
-    """The dtype a region output's partial sums accumulate in: float32 for a 16-bit float (the
-    head's weight gradient under bf16 autocast: each slice's partial, summed in bf16, rounded at
-    every slice, 1.4x plain Inductor's error against float32, whose one matmul sums in float32),
-    its own otherwise."""
+    """The dtype a region output's partial sums accumulate in (engine DType.accumulates_in: the
+    head's weight gradient under bf16 autocast, summed in bf16, was 1.4x plain Inductor's error
+    against float32); a dtype the IR does not know, its own."""
     dtype = output.meta["val"].dtype
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    return _TORCH_DTYPES.get(_DTYPES.get(dtype, DType.UNKNOWN).accumulates_in, dtype)
 
 
 def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:

@@ -64,10 +64,8 @@ def _numpy_dtype(dtype: DType) -> type:
 
 
 def _sum_dtype(output: Value) -> DType:
-    """The type a region output's partial sums accumulate in: float32 for a 16-bit float (each
-    slice's partial summed in 16 bits is rounded at every slice, where the unchunked op sums in
-    float32 inside one kernel; the torch builder does the same), its own otherwise."""
-    return DType.FLOAT32 if output.dtype in (DType.FLOAT16, DType.BFLOAT16) else output.dtype
+    """The type a region output's partial sums accumulate in (DType.accumulates_in)."""
+    return output.dtype.accumulates_in
 
 
 def _rank(v: Value) -> int:
