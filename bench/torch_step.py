@@ -168,13 +168,18 @@ def child(name: str, args) -> dict:
     warmup = []
     # --vary-length: the first step's batch is a quarter shorter, as batches padded to their
     # longest are; at the second length Dynamo recompiles with the length dynamic (automatic
-    # dynamic shapes), and the measured steps run that dynamic graph.
+    # dynamic shapes), and the measured steps run that dynamic graph. --vary-batch: its number
+    # of sequences differs too (one fewer, or one more from 2: a size of 1 stays static), so
+    # the batch is dynamic as well.
+    varying = args.vary_length or args.vary_batch
     short = [t[:, :args.seq - args.seq // 4] for t in inputs]
+    if args.vary_batch:
+        short = [t[:-1] if args.batch > 2 else torch.cat([t, t[:1]]) for t in short]
     for k in range(2):
         begin = time.perf_counter()
-        if k == 1 and args.vary_length:
+        if k == 1 and varying:
             del estimates[:]        # the peak model's estimate: of the graph the measured steps run
-        step(short if args.vary_length and k == 0 else inputs)
+        step(short if varying and k == 0 else inputs)
         clear()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -201,7 +206,7 @@ def child(name: str, args) -> dict:
     seconds = sorted(times)[len(times) // 2]
     # The first step compiles (in the timed process, whose Inductor cache starts empty): its time
     # less a step's is the compile time (with --vary-length both warm-up steps compile).
-    compiling = warmup if args.vary_length else warmup[:1]
+    compiling = warmup if varying else warmup[:1]
     return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
             "compile_seconds": max(0.0, sum(compiling) - len(compiling) * seconds),
             "estimate": sum(estimates) / 2**20 if estimates else None}
@@ -267,6 +272,9 @@ def main() -> None:
                     help="the first warm-up step runs a shorter sequence, so Dynamo recompiles with the "
                          "length dynamic (automatic dynamic shapes) and every configuration is measured "
                          "on its dynamic graph")
+    ap.add_argument("--vary-batch", action="store_true",
+                    help="as --vary-length, the first warm-up step's number of sequences differing too: "
+                         "batch and length dynamic")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -350,7 +358,8 @@ def main() -> None:
           f"seq {args.seq}, {'SDPA' if args.nanogpt else args.attention} attention"
           f"{', label shift' if args.label_shift else ''}{', (N, C, L) loss' if args.ncl_loss else ''}"
           f"{', returns (logits, loss)' if args.return_logits else ''}"
-          f"{', length dynamic (a shorter first batch)' if args.vary_length else ''}"
+          f"{', length dynamic (a shorter first batch)' if args.vary_length and not args.vary_batch else ''}"
+          f"{', batch and length dynamic (a first batch of other sizes)' if args.vary_batch else ''}"
           f"{f', dropout {args.dropout}' if args.dropout else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"

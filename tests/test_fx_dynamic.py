@@ -309,27 +309,48 @@ def test_a_byte_budget_on_sizes_with_no_declared_largest_says_it_is_planned_at_t
         assert not unbounded
 
 
-@pytest.mark.parametrize("dynamic,loss", [(None, "shift"), (True, "shift"), (None, "ncl")])
-def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_compiles, recwarn, dynamic, loss):
+@pytest.mark.parametrize("loss", ["shift", "ncl"])
+def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_compiles, recwarn, loss):
     """`logits[:, :-1]` against `targets[:, 1:]` (transformers before 4.46, many training scripts):
     the tokens' rows are grouped into (batch, seq) and back into batch x (seq - 1), so the slices
     must be whole sequences, whose rows are a formula (the reshape's unit, 1/s0). The region is
     counted in sequences: a fixed count of slices of whole sequences, each value's rows per
     sequence a formula (s0, s0 - 1). A dynamic length keeps the batch static (4 sequences:
-    the length marked dynamic here, the graph automatic dynamic shapes make at a second length);
-    dynamic=True makes it a symbol too. Before, both were refused (the reshape "does not carry
-    dim 0"), and the loss ran whole from the second length on. The (N, C, L) loss, whose
-    (batch, vocab, seq) logits are sliced along the static batch, crashed AOTAutograd's partitioner
-    (a sym_size node of the batch's int)."""
+    the length marked dynamic here, the graph automatic dynamic shapes make at a second length).
+    Before, it was refused (the reshape "does not carry dim 0"), and the loss ran whole from the
+    second length on. The (N, C, L) loss, whose (batch, vocab, seq) logits are sliced along the
+    static batch, crashed AOTAutograd's partitioner (a sym_size node of the batch's int)."""
     model = gpt(replace(CFG, dropout=0.0, label_shift=loss == "shift", ncl_loss=loss == "ncl"))
-    remat_pass = _compiled_matches_eager_at(model, (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15), dynamic=dynamic)
+    remat_pass = _compiled_matches_eager_at(model, (LENGTHS[2], LENGTHS[1], LENGTHS[1] + 15))
     regions = [r for result in remat_pass.chunk_results for r in result.chunks]
     dynamic_regions = [r for r in regions if r.extent is not None]
     assert len(dynamic_regions) == 1 and remat_pass.chunked == len(regions)
     [region] = dynamic_regions
     units = {m.unit for m in region.meta.values() if m.dim is not None}
     assert any(isinstance(u, sympy.Expr) and u.free_symbols for u in units)   # rows per sequence
-    assert (region.extent == CFG.batch) if dynamic is None else region.extent.free_symbols
+    assert region.extent == CFG.batch
+    assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
+
+
+def test_a_dynamic_batch_is_sliced_inside_each_sequence(fresh_compiles, recwarn):
+    """`dynamic=True` with the label shift: the batch is a symbol too, so slices of whole
+    sequences would be one slice at batch 1 (a fixed count of floor(batch / count) sequences,
+    the last the rest). The region slices the length inside each of a symbolic number of
+    sequences instead (Rows.outer a formula, the batch's symbol): the rule's count of slices at
+    every batch, one graph for every batch and length. Before, whole sequences. (Batch 1 Dynamo
+    compiles again, a size of 1 specialized: the static batch's own slices inside the sequence.)"""
+    model = gpt(replace(CFG, dropout=0.0, label_shift=True))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=True)
+    counters.clear()
+    for batch, length in ((CFG.batch, LENGTHS[2]), (2, LENGTHS[1]), (3, LENGTHS[1] + 15)):
+        _matches_eager(model, compiled, inputs_of(length, batch), (batch, length))
+    assert counters["stats"]["unique_graphs"] == 1
+    [region] = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
+    assert remat.remat_pass.chunked == 1 and not remat.remat_pass.failures
+    groups = {m.rows.outer for m in region.meta.values() if m.dim is not None} - {1}
+    assert len(groups) == 1 and all(isinstance(g, sympy.Symbol) for g in groups), groups
+    assert region.extent.free_symbols and len(region.chunks) == 4
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 

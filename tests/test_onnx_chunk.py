@@ -384,21 +384,32 @@ def test_in_place_attention_exported_with_dynamic_dims_chunks():
         assert error <= 1e-4, (shape, where)
 
 
-@pytest.mark.parametrize("drop", ["last", "first"])
-def test_a_label_shift_over_dynamic_dims_runs_in_whole_sequences(drop):
-    """Over dynamic dims a row of (batch, seq, vocab) is seq rows of the head's (batch * seq)
-    tokens, a formula: the Loop's slices are whole sequences, their rows in each value computed
-    from the graph inputs' dims (the shifted logits' seq - 1 per sequence). The region was
-    refused on ONNX before (slices of whole groups at static sizes only). One rewritten graph
-    serves every size."""
+@pytest.mark.parametrize("loss", ["last", "first", "ncl"])
+def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_sequence(loss):
+    """Exported with batch and sequence dynamic (what users' exports do): the Loop slices the
+    sequence inside each of a symbolic number of sequences (Rows.outer the batch's formula),
+    the rule's count of slices at every batch, their shapes computed from the graph inputs'
+    dims; the last run of the label shift holds no row of the shifted logits at some lengths
+    (batch 1, 5 tokens), whose shapes are written for the Reshape to infer (a computed 0 would
+    copy the input's dim). Before, slices of whole sequences: one slice at batch 1.
+    `logits[:, 1:]` drops a row at the start of each sequence, which slices of a computed size
+    cannot hold (the first may be shorter): that one stays in whole sequences, a row of
+    (batch, seq, vocab) seq rows of the head's (batch * seq) tokens, a formula."""
     torch.manual_seed(0)
-    exported = export_training_step(ShiftHead(16, 300, drop), _softcap_inputs(2, 24, 16, 300), ["x", "labels"],
-                                     dynamic_dims={0: "batch", 1: "seq"})
+    module = NCLHead(16, 300) if loss == "ncl" else ShiftHead(16, 300, loss)
+    exported = export_training_step(module, _softcap_inputs(2, 24, 16, 300), ["x", "labels"],
+                                    dynamic_dims={0: "batch", 1: "seq"})
     rules = compile_text(CHUNK_RULE.format(count=4), "chunk.rule")
     rewrite = apply_rules(import_model(exported.model), rules, strict=True)
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
+    [region] = rewrite.chunk_result.chunks
+    groups = {m.rows.outer for m in region.meta.values() if m.dim is not None} - {1}
+    if loss == "first":
+        assert not groups and len(region.chunks) == 2      # whole sequences, at the traced batch
+    else:
+        assert [str(g) for g in groups] == ["batch"] and len(region.chunks) == 4
     model = export_model(rewrite.graph)
-    for batch, seq in ((2, 24), (3, 17), (1, 5), (5, 9)):
+    for batch, seq in ((2, 24), (3, 17), (1, 5), (5, 9), (1, 2)):
         x, labels = _softcap_inputs(batch, seq, 16, 300)
         feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
         error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
@@ -476,25 +487,33 @@ def test_partial_sums_of_float16_slices_accumulate_in_float32():
 
 @settings(max_examples=3, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(6, 30), count=st.integers(2, 6),
-       loss=st.sampled_from(["last", "ncl"]), lengths=st.lists(st.integers(2, 40), min_size=2, max_size=3))
+       loss=st.sampled_from(["last", "ncl"]), lengths=st.lists(st.integers(2, 40), min_size=2, max_size=3),
+       runs_at=st.none() | st.lists(st.integers(1, 4), min_size=3, max_size=3))
 # Whole sequences, as many as the slices: no rows left after them, a run of none at a static size,
 # whose reshape targets read [0, 300, 1, -1] (ONNX Runtime refused the model); now no such run.
-@example(batch=2, seq=6, count=2, loss="ncl", lengths=[2, 9])
-def test_dynamic_lengths_of_any_static_batch_chunk_and_match_the_original(batch, seq, count, loss, lengths):
+@example(batch=2, seq=6, count=2, loss="ncl", lengths=[2, 9], runs_at=None)
+# The batch dynamic too, one sequence of 5 tokens: the last run holds no row of the shifted
+# logits, and a computed target of 0 rows copied the input's dim (ONNX Runtime refused to run).
+@example(batch=2, seq=24, count=4, loss="last", lengths=[5, 17], runs_at=[2, 1, 3])
+def test_dynamic_lengths_of_any_static_batch_chunk_and_match_the_original(batch, seq, count, loss, lengths, runs_at):
     """The exported example's length, the batch, the rule's count and the lengths it then runs at
     drawn: the loss region is built once, sliced inside each sequence (or along the one sequence),
-    and every length gives the original graph's loss and gradients."""
+    and every length gives the original graph's loss and gradients. `runs_at`: the batch is
+    dynamic too (exported at 2 or more), each length run at one of these batches."""
     torch.manual_seed(0)
     module = NCLHead(16, 300) if loss == "ncl" else ShiftHead(16, 300, loss)
+    if runs_at is not None:
+        batch = max(batch, 2)       # torch.export makes a dim of example size 1 static
     exported = export_training_step(module, _softcap_inputs(batch, seq, 16, 300), ["x", "labels"],
-                                    dynamic_dims={1: "seq"})
+                                    dynamic_dims={1: "seq"} if runs_at is None else {0: "batch", 1: "seq"})
     # the plan named: at these small sizes the planner may leave it out, its Loop dearer than its saving
     rewrite = apply_rules(import_model(exported.model), compile_text(CHUNK_RULE.format(count=count), "chunk.rule"),
                           config="MatMul+LogSoftmax+:3:-1", strict=True)
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
     model = export_model(rewrite.graph)
-    for length in [seq, *lengths]:
-        x, labels = _softcap_inputs(batch, length, 16, 300)
+    for k, length in enumerate([seq, *lengths]):
+        rows = batch if runs_at is None or k == 0 else runs_at[k - 1]
+        x, labels = _softcap_inputs(rows, length, 16, 300)
         feeds = {**exported.feeds, "x": x.numpy(), "labels": labels.numpy()}
         error, where = max_relative_error(run(model, feeds), run(exported.model, feeds))
-        assert error <= 1e-4, (length, where)
+        assert error <= 1e-4, (rows, length, where)

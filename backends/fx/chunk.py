@@ -24,7 +24,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from engine.dtypes import DType
 from engine.errors import GraphError
 from engine.order import order_near
-from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, grouped, shifted_edges
+from engine.shapes import is_static
+from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, inside_groups, shifted_edges
 
 from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
@@ -150,54 +151,61 @@ def _arithmetic(apply):
     return lambda f, a, b: f(a, b) if isinstance(a, int) and isinstance(b, int) else apply(f, a, b)
 
 
-def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None) -> torch.Tensor:
+def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None, outer=1) -> torch.Tensor:
     """`rows`: the rows the slice bounds are laid out over where not `t`'s own (the first operand
-    of its unit's, as _rewire slices them: a size written with other symbols, proven equal)."""
+    of its unit's, as _rewire slices them: a size written with other symbols, proven equal).
+    `outer`: the value's number of groups (Rows.outer), a SymInt where dynamic."""
     if meta.dim is None:
         return t
     return _slice_rows(lambda f, *args: f(*args), t, tuple(t.shape), meta,
-                       piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups))
+                       piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups), outer=outer)
 
 
-def _slice_rows(call, x, shape: tuple, meta: ChunkMeta, bounds: tuple, shape_of=list):
+def _outer(rows: Rows, value):
+    """The number of groups of `rows` (Rows.outer): an int, else its formula through `value`
+    (to a SymInt of the graph, or a node of its value)."""
+    return int(rows.outer) if is_static(rows.outer) else value(rows.outer)
+
+
+def _slice_rows(call, x, shape: tuple, meta: ChunkMeta, bounds: tuple, shape_of=list, outer=1):
     """`x`'s rows `bounds` along its chunk dim, through `call(op, *args)` (an fx node or a
-    fake tensor): where the dim holds groups of the chunked rows (Rows.outer), the rows of
-    every group, in the shape that splits them (engine `grouped`), then as one dim again.
-    `shape_of`: a shape as the reshape's argument (in an fx graph, a SymInt as its node)."""
+    fake tensor): where the dim holds groups of the chunked rows (Rows.outer; `outer` their
+    number, an int or a SymInt), the rows of every group, in the shape that splits them (engine
+    `grouped`), then as one dim again. `shape_of`: a shape as the reshape's argument (in an fx
+    graph, a SymInt as its node)."""
     if meta.rows.outer == 1:
         return call(aten.slice.Tensor, x, meta.dim, *bounds)
-    split, inner = _split(meta, shape)
+    split, inner = _split(meta, shape, outer)
     rows = call(aten.slice.Tensor, call(aten.reshape.default, x, shape_of(split)), inner.dim, *bounds)
     flat = list(shape)
     flat[meta.dim] = -1
     return call(aten.reshape.default, rows, shape_of(flat))
 
 
-def _join_rows(call, pieces: list, shape: tuple, meta: ChunkMeta, shape_of=list):
+def _join_rows(call, pieces: list, shape: tuple, meta: ChunkMeta, shape_of=list, outer=1):
     """The slices of an output along its chunk dim, side by side: where the dim holds groups of
     the chunked rows, joined inside every group (the inverse of _slice_rows)."""
     if meta.rows.outer == 1:
         return call(aten.cat.default, pieces, meta.dim)
-    split, inner = _split(meta, shape)
+    split, inner = _split(meta, shape, outer)
     parts = [call(aten.reshape.default, p, shape_of(split)) for p in pieces]
     return call(aten.reshape.default, call(aten.cat.default, parts, inner.dim), shape_of(list(shape)))
 
 
-def _split(meta: ChunkMeta, shape: tuple) -> tuple[list, ChunkMeta]:
-    """engine `grouped`, the rows per group left for the reshape to infer (-1): at a dynamic
-    length a formula, and a slice's rows differ from the whole's."""
-    split, inner = grouped(meta, shape)
-    split = list(split)
-    split[inner.dim] = -1
-    return split, inner
+def _split(meta: ChunkMeta, shape: tuple, outer) -> tuple[list, ChunkMeta]:
+    """engine `grouped` with `outer` groups (an int or a SymInt), the rows per group left for
+    the reshape to infer (-1): at a dynamic length a formula, and a slice's rows differ from
+    the whole's."""
+    inner = inside_groups(meta, len(shape))
+    return [*shape[:inner.dim - 1], outer, -1, *shape[inner.dim:]], inner
 
 
-def _chunked_rows(size, rows: Rows, call):
+def _chunked_rows(size, rows: Rows, call, outer=None):
     """The chunked value's rows for a value whose `size` rows along its chunk dim lie as `rows`
-    says: those of one of its groups (Rows.outer), unshifted (Rows.tail), through
-    `call(op, a, b)` where `size` is a node."""
+    says: those of one of its groups (Rows.outer; `outer` their number, of the kind of `size`,
+    where a formula), unshifted (Rows.tail), through `call(op, a, b)` where `size` is a node."""
     if rows.outer != 1:
-        size = call(operator.floordiv, size, rows.outer)
+        size = call(operator.floordiv, size, rows.outer if outer is None else outer)
     return call(operator.add, size, rows.tail) if rows.tail else size
 
 
@@ -243,7 +251,8 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             for piece in _slices(region):
                 key = region.slice_class(piece.start, piece.end)
                 if key not in built:
-                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece, groups)
+                    built[key] = _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece, groups,
+                                        shapes.value)
             phases.append((body, inputs, input_meta, sizes, outputs, output_meta, recomputed, built))
     except Exception:
         shapes.discard()      # the size nodes made for a region that is not built
@@ -376,11 +385,11 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     # unshifted: a value a row short (Rows.tail) gives its rows and the one.
                     size = r.shape[m.dim]
                     size = size if isinstance(size, int) else graph.call_function(aten.sym_size.int, (x, m.dim))
-                    rows[m.unit] = _chunked_rows(size, m.rows, _arithmetic(emit))
+                    rows[m.unit] = _chunked_rows(size, m.rows, _arithmetic(emit), _outer(m.rows, shapes.formula))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
-                args.append(_slice_rows(node, x, r.shape, m,
-                                        piece.bounds(m, rows.get(m.unit), emit, groups), shapes.shape))
+                args.append(_slice_rows(node, x, r.shape, m, piece.bounds(m, rows.get(m.unit), emit, groups),
+                                        shapes.shape, _outer(m.rows, shapes.value)))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
@@ -395,7 +404,8 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         combined = {}
         for k, (orig, r) in enumerate(zip(outputs, output_meta)):
             m = r.meta
-            whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m, shapes.shape)
+            whole = sums[k] if m.need_sum else _join_rows(node, pieces[k], r.shape, m, shapes.shape,
+                                                          _outer(m.rows, shapes.value))
             if m.need_sum and _sum_dtype(orig) is not orig.meta["val"].dtype:
                 whole = graph.call_function(torch.ops.prims.convert_element_type.default,
                                             (whole, orig.meta["val"].dtype))
@@ -460,9 +470,10 @@ def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> 
 
 
 def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: _Slice,
-           groups=None) -> fx.GraphModule:
+           groups=None, value=None) -> fx.GraphModule:
     """The body of one slice (and of every slice of its class, ChunkRegion.slice_class). `groups`:
-    the region's extent (a SymInt or an int) where it is sliced in whole groups."""
+    the region's extent (a SymInt or an int) where it is sliced in whole groups. `value`: a
+    formula over the graph's symbols as its SymInt (SizeNodes.value)."""
     start, end, total = piece.start, piece.end, piece.total
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -472,8 +483,10 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
         if r.meta.dim is not None:
-            rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta.rows, lambda f, a, b: f(a, b)))
-        p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None)
+            rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta.rows, lambda f, a, b: f(a, b),
+                                                       _outer(r.meta.rows, value)))
+        p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None,
+                                    _outer(r.meta.rows, value))
         env[x] = p
     for x in sizes:
         env[x] = sub.placeholder(x.name)
@@ -541,7 +554,7 @@ class _Lengths:
         # the chunked rows in this slice: those of one group, and the row a value a row short
         # lacks in the last slice
         rows = replace(first.rows, tail=first.rows.tail if last else 0)
-        self.known = {first.unit: _chunked_rows(length, rows, self._call)}
+        self.known = {first.unit: _chunked_rows(length, rows, self._call, _outer(rows, self._lowered))}
 
     def _call(self, f, a, b):
         return self.graph.call_function(f, (a, b))
@@ -557,7 +570,8 @@ class _Lengths:
         if key not in self.known:
             rows = self.known[meta.unit]
             rows = self._call(operator.sub, rows, tail) if tail else rows
-            self.known[key] = self._call(operator.mul, rows, meta.rows.outer) if meta.rows.outer != 1 else rows
+            self.known[key] = self._call(operator.mul, rows, _outer(meta.rows, self._lowered)) \
+                if meta.rows.outer != 1 else rows
         return self.known[key]
 
     def _lowered(self, unit):

@@ -220,15 +220,23 @@ def _shape_without_reading(node: Node, g: "_Graph", dims: DimEmitter) -> Value:
     return _shape_value(g, dims, part, f"{name}_dims", target=False)
 
 
-def _shape_value(g: "_Graph", dims: DimEmitter, shape, base: str, target: bool = True) -> Value:
+def _shape_value(g: "_Graph", dims: DimEmitter, shape, base: str, target: bool = True,
+                 infer: int | None = None) -> Value:
     """`shape` as an int64 tensor: a constant at static sizes; a Reshape's `target` with one
     dynamic dim, a constant with -1 there (no other dim is 0); else computed before the Loops
-    from the graph inputs' dims (DimEmitter)."""
+    from the graph inputs' dims (DimEmitter). `infer`: the dim of a target that may be 0 (a
+    slice's rows, none in the last run of a label shift at some lengths), written -1 for the
+    Reshape to infer, beside dims that are never 0: a computed 0 in a target would copy the
+    input's dim (allowzero, which the opsets before 14 lack, is not set)."""
     shape = list(shape)
     dynamic = [k for k, d in enumerate(shape) if not isinstance(d, int)]
-    if not dynamic or (target and len(dynamic) == 1 and all(d != 0 for d in shape)):
-        return g.const(base, np.array([-1 if k in dynamic else d for k, d in enumerate(shape)], np.int64))
-    return g.add("Concat", [dims.emit(d) for d in shape], base, DType.INT64, (len(shape),), {"axis": 0})
+    if not target or infer not in dynamic:
+        infer = dynamic[0] if target and len(dynamic) == 1 and all(d != 0 for d in shape) else None
+    if all(k == infer for k in dynamic):
+        return g.const(base, np.array([-1 if k == infer else d for k, d in enumerate(shape)], np.int64))
+    parts = [g.const("inferred_dim", np.array([-1], np.int64)) if k == infer else dims.emit(d)
+             for k, d in enumerate(shape)]
+    return g.add("Concat", parts, base, DType.INT64, (len(shape),), {"axis": 0})
 
 
 def _downstream(graph: Graph, seeds: set[int]) -> set[int]:
@@ -289,6 +297,12 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
     end = g.add("Add", [start, size], "slice_end", DType.INT64, (1,))
     env: dict[int, Value] = {}
 
+    def size_value(d, base: str) -> Value:
+        """A size as a 1-element tensor: a constant, or a formula computed before the Loop."""
+        if isinstance(d, (int, sympy.Integer)):
+            return g.const(base, np.array([int(d)], np.int64))
+        return dims.emit(d)
+
     def rows(x: Value, unit) -> Value:
         """`x` rows of the chunked value as rows of a value with this unit (ChunkMeta.unit)."""
         if unit == 1:
@@ -296,12 +310,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         # A group's rows may be a formula (a sequence of seq tokens): computed before the Loop.
         numerator, denominator = ((unit.numerator, unit.denominator) if isinstance(unit, Fraction)
                                   else sympy.fraction(sympy.cancel(unit)))
-
-        def size(d, base: str) -> Value:
-            if isinstance(d, (int, sympy.Integer)):
-                return g.const(base, np.array([int(d)], np.int64))
-            return dims.emit(d)
-
+        size = size_value
         scaled = g.add("Mul", [x, size(numerator, "unit_rows")], f"{x.name}_scaled", DType.INT64, (1,))
         if denominator == 1:
             return scaled
@@ -319,7 +328,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         own = short(rows(size, m.unit), m)
         if m.rows.outer == 1:
             return own
-        return g.add("Mul", [own, g.const("groups", np.array([m.rows.outer], np.int64))], f"{own.name}_in_groups",
+        return g.add("Mul", [own, size_value(m.rows.outer, "groups")], f"{own.name}_in_groups",
                      DType.INT64, (1,))
 
     def span(m: ChunkMeta) -> tuple[Value, Value]:
@@ -354,7 +363,8 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         env[id(v)] = g.add("Slice", [whole, *span(m), axis], f"{v.name}_slice", v.dtype,
                            _sliced_shape(whole, m, run))
         if in_groups:
-            env[id(v)] = g.add("Reshape", [env[id(v)], _shape_value(g, dims, flat, f"{v.name}_slice_shape")],
+            env[id(v)] = g.add("Reshape", [env[id(v)], _shape_value(g, dims, flat, f"{v.name}_slice_shape",
+                                                                    infer=m.dim - 1)],
                                f"{v.name}_slice_rows", v.dtype, flat)
     elided = {id(n) for n in region.elided}
 
@@ -607,7 +617,8 @@ def _in_groups(g: _Graph, dims: DimEmitter, piece: Value, like: Value, meta: Chu
     """A slice of an output of groups of the chunked rows (or the Loop's stack of them), its
     rows (groups x rows) split into the shape `like` joins them in (engine `grouped`)."""
     shape = (*((run.count_dim,) if stacked else ()), *_sliced_shape(like, meta, run))
-    return g.add("Reshape", [piece, _shape_value(g, dims, shape, f"{like.name}_slice_groups")],
+    rows = meta.dim % _rank(like) + (1 if stacked else 0)
+    return g.add("Reshape", [piece, _shape_value(g, dims, shape, f"{like.name}_slice_groups", infer=rows)],
                  f"{piece.name}_grouped", piece.dtype, shape)
 
 

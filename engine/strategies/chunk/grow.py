@@ -196,7 +196,7 @@ class GraphIndex:
 
 class _Grower:
     def __init__(self, match: Match, action: Chunk, ctx: MatchContext, two_phase: bool = False,
-                 elide: bool = True, groups: int = 1):
+                 elide: bool = True, groups: Any = 1):
         self.match = match
         # > 1: the captured rows are `groups` groups (batch rows) of the chunked rows (a sequence),
         # sliced inside every group (Rows.outer; grow_chunk)
@@ -976,15 +976,18 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
     except Refused as refused:
         return Reason(action.location, str(refused), **refused.reason_fields())
     groups = _whole_groups(region)
-    if groups is not None and len(region.chunks) < requested:
+    dynamic = groups is not None and not is_static(groups)
+    if groups is not None and (dynamic or len(region.chunks) < requested):
         # Whole groups (batch rows) are fewer than the slices the rule asks for (the (N, C, L)
-        # loss, a label shift, at batch 2): the rows are sliced inside every group instead, where
-        # the region allows it (Rows.outer).
+        # loss, a label shift, at batch 2), or a dynamic count of them (an export with dynamic
+        # batch and sequence, which runs at batch 1 as often as at the traced batch): the rows
+        # are sliced inside every group instead, where the region allows it (Rows.outer), as
+        # many slices at every batch.
         try:
             inside, _ = _grow(match, action, ctx, groups=groups)
         except Refused:
             return region
-        if len(inside.chunks) > len(region.chunks):
+        if dynamic or len(inside.chunks) > len(region.chunks):
             return inside
     return region
 
@@ -995,18 +998,20 @@ def _whole_quotient(size: Any, by: Any) -> Any:
     return quotient if simplify(sympy.fraction(quotient)[1]) == 1 else None
 
 
-def _whole_groups(region: ChunkRegion) -> int | None:
-    """How many groups (batch rows) a region sliced in whole groups has, where it is a number:
-    at static sizes its rows over the granule; over a dynamic sequence of a static batch (the
-    region counted in groups, each value's unit a formula) its extent. None for a region of
-    single rows, or of a dynamic number of groups."""
+def _whole_groups(region: ChunkRegion) -> Any:
+    """How many groups (batch rows) a region sliced in whole groups has: at static sizes its
+    rows over the granule; over a dynamic sequence (the region counted in groups, each value's
+    unit a formula) its extent, a number for a static batch, else a formula. None for a region
+    of single rows."""
     if region.extent is None:
         return sum(region.chunks) // region.granule if region.granule != 1 else None
     grouped = any(not isinstance(m.unit, Fraction) for m in region.meta.values() if m.dim is not None)
-    return int(region.extent) if grouped and is_static(region.extent) else None
+    if not grouped:
+        return None
+    return int(region.extent) if is_static(region.extent) else region.extent
 
 
-def _grow(match: Match, action: Chunk, ctx: MatchContext, groups: int = 1) -> tuple[ChunkRegion, int]:
+def _grow(match: Match, action: Chunk, ctx: MatchContext, groups: Any = 1) -> tuple[ChunkRegion, int]:
     """The region, and the slice count the rule asked for; Refused with the first reason."""
     refused = None
     # A reshape the slices have no place in is skipped first (slices as fine as the chunked dim

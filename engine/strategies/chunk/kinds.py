@@ -330,14 +330,15 @@ def regrouped_dims(src: tuple, out: tuple) -> dict[int, tuple[int, Any]]:
     return found
 
 
-def grouped_dim(src: tuple, out: tuple, dim: int, per: int) -> tuple[int, int] | None:
+def grouped_dim(src: tuple, out: tuple, dim: int, per: Any) -> tuple[int, Any] | None:
     """Where a reshape from `src` to `out` puts dim `dim` of `src`, whose index is
     `g * per + r` for `r` a row of the chunked value (groups of `per` rows, Rows.outer): the
     dim of `out` after which as many elements follow (the same stride), if its size is whole
     groups of `per` rows, with its number of groups ((tokens, vocab) -> (batch, seq, vocab)
     with the sequence chunked, per = seq: dim 0 of the tokens -> dim 1, 1 group; the way back,
     dim 1 -> dim 0, `batch` groups). At dynamic sizes `per` and the dims may be formulas
-    (`2*s0` tokens, `s0` a sequence), the number of groups a number. None where no such dim is."""
+    (`2*s0` tokens, `s0` a sequence), and so may the number of groups (`b*s0` tokens, `b`
+    sequences of `s0`): a formula where it is whole at every size. None where no such dim is."""
     if not 0 <= dim < len(src) or (is_static(per) and per < 1):
         return None
     try:
@@ -346,8 +347,11 @@ def grouped_dim(src: tuple, out: tuple, dim: int, per: int) -> tuple[int, int] |
         after = simplify(sympy.sympify(math.prod(src[dim + 1:])))
         for o in range(len(out)):
             if same_size(math.prod(out[o + 1:]), after):
-                groups = sympy.cancel(sympy.sympify(out[o]) / per)
-                return (o, int(groups)) if groups.is_Integer and groups >= 1 else None
+                groups = sympy.sympify(simplify(sympy.cancel(sympy.sympify(out[o]) / per)))
+                if groups.is_Integer:
+                    return (o, int(groups)) if groups >= 1 else None
+                whole = simplify(sympy.fraction(groups)[1]) == 1 and not groups.is_number
+                return (o, groups) if whole else None
     except (TypeError, sympy.SympifyError):
         return None
     return None

@@ -65,13 +65,14 @@ class Rows:
     sequence inside every row (the (N, C, L) loss at batch 2): rows [a, b) of the chunked value
     are rows [g * n + a, g * n + b) of each group g of n rows. Not strided rows of a memory
     layout: the backends slice and join such a value in the shape that splits its dim into
-    (outer, n), `grouped`. A static number of groups, with a unit of one, at static or dynamic
+    (outer, n), `grouped`. A number of groups, or a formula where it is dynamic (the batch of
+    an export with dynamic batch and sequence), with a unit of one, at static or dynamic
     lengths."""
 
     unit: Fraction | sympy.Expr = Fraction(1)    # a formula where a reshape groups by a symbolic size
     lead: int = 0
     tail: int = 0
-    outer: int = 1
+    outer: int | sympy.Expr = 1
 
     @property
     def shifted(self) -> bool:
@@ -184,8 +185,16 @@ def grouped(meta: ChunkMeta, shape: tuple) -> tuple[tuple, ChunkMeta]:
     sliced along the second: the backends slice such an input, and join such an output's
     slices, in that shape."""
     dim, outer = meta.dim % len(shape), meta.rows.outer
-    split = (*shape[:dim], outer, shape[dim] // outer, *shape[dim + 1:])
-    return split, replace(meta, dim=dim + 1, rows=replace(meta.rows, outer=1))
+    per = sympy.sympify(simplify(sympy.cancel(sympy.sympify(shape[dim]) / outer)))
+    per = int(per) if per.is_Integer else per
+    split = (*shape[:dim], outer, per, *shape[dim + 1:])
+    return split, inside_groups(meta, len(shape))
+
+
+def inside_groups(meta: ChunkMeta, rank: int) -> ChunkMeta:
+    """The meta of a value of groups of the chunked rows (Rows.outer) of rank `rank` in the
+    shape `grouped` splits it into: its rows sliced along the dim after the groups'."""
+    return replace(meta, dim=meta.dim % rank + 1, rows=replace(meta.rows, outer=1))
 
 
 @dataclass
