@@ -29,8 +29,7 @@ from engine.strategies.chunk import ChunkMeta, ChunkRegion, Rows, inside_groups,
 
 from .aten_ops import ATTRIBUTE_ARGS, SLICE_DEFAULTS, slice_arguments
 from .exact_sums import count_broadcast_sums
-from .importer import _DTYPES
-from .replay import _TORCH_DTYPES
+from .importer import _DTYPES, TORCH_DTYPES
 from .sizes import SizeNodes, free_symbols, lower_formula
 
 aten = torch.ops.aten
@@ -450,7 +449,7 @@ def _sum_dtype(output: fx.Node) -> torch.dtype:
     head's weight gradient under bf16 autocast, summed in bf16, was 1.4x plain Inductor's error
     against float32); a dtype the IR does not know, its own."""
     dtype = output.meta["val"].dtype
-    return _TORCH_DTYPES.get(_DTYPES.get(dtype, DType.UNKNOWN).accumulates_in, dtype)
+    return TORCH_DTYPES.get(_DTYPES.get(dtype, DType.UNKNOWN).accumulates_in, dtype)
 
 
 def _sort_near(graph: fx.Graph, rank: dict[fx.Node, tuple], new_rank: tuple) -> None:

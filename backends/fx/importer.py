@@ -35,6 +35,8 @@ _DTYPES = {
     torch.int32: DType.INT32, torch.int64: DType.INT64, torch.uint8: DType.UINT8, torch.bool: DType.BOOL,
     torch.complex64: DType.COMPLEX64, torch.complex128: DType.COMPLEX128,
 }
+# The torch dtype of each DType, for what the backend writes back into a graph.
+TORCH_DTYPES = {ours: theirs for theirs, ours in _DTYPES.items()}
 
 
 def _dim(d: Any):

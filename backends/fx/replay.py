@@ -26,12 +26,11 @@ from engine.errors import GraphError
 from engine.ir import Node, Value
 from engine.strategies.replay import BoundReplay, instantiate
 
-from .importer import _DTYPES
+from .importer import TORCH_DTYPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_TORCH_DTYPES = {ours: theirs for theirs, ours in _DTYPES.items()}
 
 # Template ops on tensors (a Python number as the second operand where ATen's overload takes one).
 _TENSOR_OPS = {
@@ -140,8 +139,8 @@ def _fold(node: Node, operands: list) -> int | float | bool:
     if node.op in ("CastLike", "Cast"):
         # A number cast to a tensor's type is rounded to it (ATen's dropout rounds its scale so).
         dtype = _cast_to(node)
-        if dtype in _TORCH_DTYPES and _TORCH_DTYPES[dtype].is_floating_point:
-            return torch.tensor(operands[0], dtype=_TORCH_DTYPES[dtype]).item()
+        if dtype in TORCH_DTYPES and TORCH_DTYPES[dtype].is_floating_point:
+            return torch.tensor(operands[0], dtype=TORCH_DTYPES[dtype]).item()
         return operands[0]
     if node.op not in _NUMBER_OPS:
         raise GraphError(f"{node.name}: a replay's {node.op} of numbers has no Python spelling")
@@ -157,9 +156,9 @@ def _spell(node: Node, operands: list) -> tuple[Callable | None, tuple]:
         return aten.alias.default, (operands[0],)
     if op in ("Cast", "CastLike"):
         dtype = _cast_to(node)
-        if dtype not in _TORCH_DTYPES or not tensors[0]:
+        if dtype not in TORCH_DTYPES or not tensors[0]:
             raise GraphError(f"{node.name}: a replay's {op} to {dtype} has no ATen spelling")
-        return prims.convert_element_type.default, (operands[0], _TORCH_DTYPES[dtype])
+        return prims.convert_element_type.default, (operands[0], TORCH_DTYPES[dtype])
     if all(tensors):
         if op in _TENSOR_OPS:
             return _TENSOR_OPS[op], tuple(operands)

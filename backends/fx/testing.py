@@ -17,16 +17,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.dtypes import DType
 from engine.ir import Node
 from engine.patterns import RuleSet
 from engine.testing.check import AppliedPlan, Run, Unrunnable
 from engine.testing.graphs import TrainingGraph
 from engine.testing.ops import INT64_MAX
 
-TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16,
-                DType.FLOAT64: torch.float64, DType.INT64: torch.int64, DType.INT32: torch.int32,
-                DType.BOOL: torch.bool}
+from .importer import TORCH_DTYPES
 
 
 def _hard_sigmoid(x, alpha: float, beta: float):
