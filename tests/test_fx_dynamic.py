@@ -332,25 +332,33 @@ def test_the_label_shift_chunks_at_dynamic_lengths_in_whole_sequences(fresh_comp
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 
-def test_a_dynamic_batch_is_sliced_inside_each_sequence(fresh_compiles, recwarn):
+@pytest.mark.parametrize("dims,loss", [("both", "shift"), ("batch", "ncl")])
+def test_a_dynamic_batch_is_sliced_inside_each_sequence(fresh_compiles, recwarn, dims, loss):
     """`dynamic=True` with the label shift: the batch is a symbol too, so slices of whole
     sequences would be one slice at batch 1 (a fixed count of floor(batch / count) sequences,
     the last the rest). The region slices the length inside each of a symbolic number of
     sequences instead (Rows.outer a formula, the batch's symbol): the rule's count of slices at
     every batch, one graph for every batch and length. Before, whole sequences. (Batch 1 Dynamo
-    compiles again, a size of 1 specialized: the static batch's own slices inside the sequence.)"""
-    model = gpt(replace(CFG, dropout=0.0, label_shift=True))
+    compiles again, a size of 1 specialized: the static batch's own slices inside the sequence.)
+    The batch alone marked dynamic, the length static (the (N, C, L) loss): slices of a static
+    size inside each sequence, their rows a formula of the batch in the bodies. Before, whole
+    sequences, whose count guards (`b // 4`) compiled every batch again."""
+    model = gpt(replace(CFG, dropout=0.0, label_shift=loss == "shift", ncl_loss=loss == "ncl"))
     remat = fx_backend.backend(strict=True)
-    compiled = torch.compile(model, backend=remat, dynamic=True)
+    compiled = torch.compile(model, backend=remat, dynamic=True if dims == "both" else None)
     counters.clear()
     for batch, length in ((CFG.batch, LENGTHS[2]), (2, LENGTHS[1]), (3, LENGTHS[1] + 15)):
-        _matches_eager(model, compiled, inputs_of(length, batch), (batch, length))
+        inputs = inputs_of(length if dims == "both" else LENGTHS[2], batch)
+        if dims == "batch":
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
+        _matches_eager(model, compiled, inputs, (batch, length))
     assert counters["stats"]["unique_graphs"] == 1
     [region] = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
     assert remat.remat_pass.chunked == 1 and not remat.remat_pass.failures
     groups = {m.rows.outer for m in region.meta.values() if m.dim is not None} - {1}
     assert len(groups) == 1 and all(isinstance(g, sympy.Symbol) for g in groups), groups
-    assert region.extent.free_symbols and len(region.chunks) == 4
+    assert len(region.chunks) == 4 and (region.extent is None) == (dims == "batch")
     assert not [w for w in recwarn if "sizes are dynamic" in str(w.message)]
 
 

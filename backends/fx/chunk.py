@@ -223,6 +223,7 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
         # (or an int) for the bodies' fake inputs.
         in_groups = region.extent is not None and any(m.unit != 1 for m in region.meta.values() if m.dim is not None)
         groups = shapes.value(region.extent) if in_groups else None
+        grouped_by_symbol = any(not is_static(m.rows.outer) for m in region.meta.values() if m.dim is not None)
         for phase in region.phases:
             body = [_fx(n.backend_nodes[0], by_name) for n in phase.nodes]
             meta_by_fx = {fx_node: region.meta_of(ir.outputs[0]) for ir, fx_node in zip(phase.nodes, body)}
@@ -237,10 +238,11 @@ def apply_chunk(graph: fx.Graph, region: ChunkRegion, name: str) -> None:
             # arguments of every call.
             sizes = list(dict.fromkeys(a for n in body for a in n.all_input_nodes if a not in meta_by_fx
                                        and a not in inputs and isinstance(a.meta.get("val"), torch.SymInt)))
-            if region.extent is not None:
+            if region.extent is not None or grouped_by_symbol:
                 # ... and each symbol of the inputs' sizes, by itself: Inductor compiles a body for
                 # symbolic shapes only where it can read every symbol in them from its inputs (a
-                # slice of (2 * s0) // 4 rows does not give s0).
+                # slice of (2 * s0) // 4 rows does not give s0), nor write a slice's rows in a
+                # dynamic number of groups (a dynamic batch over a static sequence).
                 symbols = [shapes.symbol(s) for s in free_symbols([x.meta["val"] for x in inputs + sizes])]
                 sizes = list(dict.fromkeys(sizes + [x for x in symbols if x not in inputs]))
             # The subgraphs first, one per class of slice (its size; the first or last where the
@@ -498,9 +500,9 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         length = sub.call_function(aten.sym_size.int, first)
         length.meta["val"] = first[0].meta["val"].shape[first[1]]
         env[length] = length
+    symbols = {str(env[x].meta["val"].node.expr): env[x] for x in sizes if isinstance(env[x].meta["val"], torch.SymInt)}
     lengths = _Lengths(sub, length, next(r.meta for r in input_meta if r.meta.dim is not None),
-                       {str(env[x].meta["val"].node.expr): env[x] for x in sizes
-                        if isinstance(env[x].meta["val"], torch.SymInt)}, piece.last) if piece.dynamic else None
+                       symbols, piece.last) if piece.dynamic else None
     sliced = {x for x, r in zip(inputs, input_meta) if r.meta.dim is not None}
     for fx_node in body:
         m = meta_by_fx[fx_node]
@@ -511,8 +513,8 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
         elif m.dim is not None and (fx_node.target in _SHAPE_ARG or not sliced & set(fx_node.all_input_nodes)):
             # Its output shape is written in its arguments (a view's target, the zeros a loss
             # gradient scatters into): the slice's size goes there.
-            env[fx_node] = _with_size(fx_node, m.dim, lengths.of(m) if piece.dynamic else m.length(start, end, total),
-                                      env, sub)
+            rows = lengths.of(m) if piece.dynamic else _lowered_in(m.length(start, end, total), symbols)
+            env[fx_node] = _with_size(fx_node, m.dim, rows, env, sub)
         elif fx_node.target in _SLICE_BOUNDS and _along_chunk_dim(fx_node, meta_of):
             env[fx_node] = _with_bounds(fx_node, meta_of, piece, env, sub)
         else:
@@ -539,6 +541,15 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     module.meta["produced_by_chunker"] = True
     _propagate_fake(module)
     return module
+
+
+def _lowered_in(formula, symbols: dict[str, fx.Node]):
+    """A size in a body (a slice's rows, rows per group, a number of groups): a number, or a
+    formula over the body's own size placeholders (`symbols`, by name)."""
+    try:
+        return lower_formula(formula, symbols)
+    except KeyError as missing:
+        raise GraphError(f"a chunk body's size {formula} needs the size {missing}, which it is not given") from None
 
 
 class _Lengths:
@@ -573,12 +584,8 @@ class _Lengths:
                 if meta.rows.outer != 1 else rows
         return self.known[key]
 
-    def _lowered(self, unit):
-        try:
-            return lower_formula(unit, self.symbols)
-        except KeyError as missing:
-            raise GraphError(f"a chunk body's rows per group {unit} need the size {missing}, which it is not given") \
-                from None
+    def _lowered(self, formula):
+        return _lowered_in(formula, self.symbols)
 
 
 def _same_layout(a, b) -> bool:

@@ -324,7 +324,11 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
                      DType.INT64, (1,))
 
     def slice_rows(m: ChunkMeta) -> Value:
-        """The rows a value with `m` has in this run's slices along its chunk dim (_Run.rows)."""
+        """The rows a value with `m` has in this run's slices along its chunk dim (_Run.rows):
+        in a static region a number, or a formula where its groups are (a dynamic batch over a
+        static sequence, a value a row short in the last slice)."""
+        if run.total is not None:
+            return size_value(run.rows(m), "slice_rows")
         own = short(rows(size, m.unit), m)
         if m.rows.outer == 1:
             return own

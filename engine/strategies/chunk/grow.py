@@ -975,7 +975,7 @@ def grow_chunk(match: Match, ctx: MatchContext) -> ChunkRegion | Reason:
         region, requested = _grow(match, action, ctx)
     except Refused as refused:
         return Reason(action.location, str(refused), **refused.reason_fields())
-    groups = _whole_groups(region)
+    groups = _whole_groups(region, match.value(action.captures[0]))
     dynamic = groups is not None and not is_static(groups)
     if groups is not None and (dynamic or len(region.chunks) < requested):
         # Whole groups (batch rows) are fewer than the slices the rule asks for (the (N, C, L)
@@ -998,15 +998,14 @@ def _whole_quotient(size: Any, by: Any) -> Any:
     return quotient if simplify(sympy.fraction(quotient)[1]) == 1 else None
 
 
-def _whole_groups(region: ChunkRegion) -> Any:
+def _whole_groups(region: ChunkRegion, chunked: Value) -> Any:
     """How many groups (batch rows) a region sliced in whole groups has: at static sizes its
-    rows over the granule; over a dynamic sequence (the region counted in groups, each value's
-    unit a formula) its extent, a number for a static batch, else a formula. None for a region
-    of single rows."""
+    rows over the granule; over dynamic sizes (the region counted in groups: the `chunked`
+    value's rows per group, its unit, other than one) its extent, a number for a static batch,
+    else a formula. None for a region of single rows."""
     if region.extent is None:
         return sum(region.chunks) // region.granule if region.granule != 1 else None
-    grouped = any(not isinstance(m.unit, Fraction) for m in region.meta.values() if m.dim is not None)
-    if not grouped:
+    if region.meta_of(chunked).unit == 1:
         return None
     return int(region.extent) if is_static(region.extent) else region.extent
 
