@@ -384,8 +384,20 @@ def test_in_place_attention_exported_with_dynamic_dims_chunks():
         assert error <= 1e-4, (shape, where)
 
 
-@pytest.mark.parametrize("loss,dims", [("last", "both"), ("first", "both"), ("ncl", "both"), ("last", "batch")])
-def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_sequence(loss, dims):
+class NCLShiftHead(NCLHead):
+    """The (N, C, L) loss of the shifted logits (`logits[:, :-1].transpose(1, 2)`)."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x)[:, :-1].transpose(1, 2), labels[:, 1:])
+
+
+# "ceil(dim(h, 0) / 16)": 3 slices at the example's 48 tokens, 1 at 1 x 5 and 1 x 2 tokens, where
+# the Loop of full slices runs none and ONNX Runtime stacks its outputs with zeros in every dim it
+# cannot infer (a -1 beside them was refused; the rules' own counts do this at small batches).
+@pytest.mark.parametrize("loss,dims,count", [("last", "both", 4), ("first", "both", 4), ("ncl", "both", 4),
+                                             ("last", "batch", 4), ("last", "both", "ceil(dim(h, 0) / 16)"),
+                                             ("ncl-shift", "both", "ceil(dim(h, 0) / 16)")])
+def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_sequence(loss, dims, count):
     """Exported with batch and sequence dynamic (what users' exports do): the Loop slices the
     sequence inside each of a symbolic number of sequences (Rows.outer the batch's formula),
     the rule's count of slices at every batch, their shapes computed from the graph inputs'
@@ -399,10 +411,10 @@ def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_seque
     batch (a Reshape target the export computes took the slice's size, not the shifted value's
     rows in the last slice, and ONNX Runtime refused it)."""
     torch.manual_seed(0)
-    module = NCLHead(16, 300) if loss == "ncl" else ShiftHead(16, 300, loss)
+    module = {"ncl": NCLHead(16, 300), "ncl-shift": NCLShiftHead(16, 300)}.get(loss) or ShiftHead(16, 300, loss)
     exported = export_training_step(module, _softcap_inputs(2, 24, 16, 300), ["x", "labels"],
                                     dynamic_dims={0: "batch", 1: "seq"} if dims == "both" else {0: "batch"})
-    rules = compile_text(CHUNK_RULE.format(count=4), "chunk.rule")
+    rules = compile_text(CHUNK_RULE.format(count=count), "chunk.rule")
     rewrite = apply_rules(import_model(exported.model), rules, strict=True)
     assert rewrite.chunked == 1 and not rewrite.failures, rewrite.report()
     [region] = rewrite.chunk_result.chunks
@@ -410,7 +422,7 @@ def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_seque
     if loss == "first":
         assert not groups and len(region.chunks) == 2      # whole sequences, at the traced batch
     else:
-        assert [str(g) for g in groups] == ["batch"] and len(region.chunks) == 4
+        assert [str(g) for g in groups] == ["batch"] and len(region.chunks) == (4 if count == 4 else 3)
     model = export_model(rewrite.graph)
     for batch, seq in ((2, 24), (3, 17), (1, 5), (5, 9), (1, 2)) if dims == "both" else ((2, 24), (1, 24), (5, 24)):
         x, labels = _softcap_inputs(batch, seq, 16, 300)

@@ -368,7 +368,7 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
                            _sliced_shape(whole, m, run))
         if in_groups:
             env[id(v)] = g.add("Reshape", [env[id(v)], _shape_value(g, dims, flat, f"{v.name}_slice_shape",
-                                                                    infer=m.dim - 1)],
+                                                                    infer=m.dim - 1 if run.last else None)],
                                f"{v.name}_slice_rows", v.dtype, flat)
     elided = {id(n) for n in region.elided}
 
@@ -581,7 +581,7 @@ def _phase_nodes(phase: ChunkPhase, region: ChunkRegion, graph: Graph,
         for k, (o, s, dim, like) in enumerate(zip(scans, stacked, scan_dims, shaped)):
             if in_groups[k]:
                 s = _in_groups(g, dims, s, like, scan_meta[k], run, stacked=True)
-            pieces[k].append(_unstack(g, s, like, dim, run, scan_meta[k]))
+            pieces[k].append(_unstack(g, dims, s, like, dim, run, scan_meta[k]))
     for o, total in zip(sums, totals):
         if total.dtype is o.dtype:
             g.nodes.append(Node("Identity", [total], [o], {}, names(f"{o.name}_chunked")))
@@ -621,12 +621,16 @@ def _in_groups(g: _Graph, dims: DimEmitter, piece: Value, like: Value, meta: Chu
     """A slice of an output of groups of the chunked rows (or the Loop's stack of them), its
     rows (groups x rows) split into the shape `like` joins them in (engine `grouped`)."""
     shape = (*((run.count_dim,) if stacked else ()), *_sliced_shape(like, meta, run))
-    rows = meta.dim % _rank(like) + (1 if stacked else 0)
+    # Only the last run's rows may be none (_runs); the full slices' run may run none of them,
+    # and -1 beside that 0 would be no size at all: its target is computed whole, the 0 of the
+    # count first, where a 0 copies the stack's own 0.
+    rows = meta.dim % _rank(like) + (1 if stacked else 0) if run.last else None
     return g.add("Reshape", [piece, _shape_value(g, dims, shape, f"{like.name}_slice_groups", infer=rows)],
                  f"{piece.name}_grouped", piece.dtype, shape)
 
 
-def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: ChunkMeta) -> Value:
+def _unstack(g: _Graph, dims: DimEmitter, stacked: Value, like: Value, dim: int, run: _Run,
+             meta: ChunkMeta) -> Value:
     """(count, ..., size, ...) -> (..., count * size, ...): the slices side by side along `dim`."""
     rank = len(like.shape)
     shape = _sliced_shape(like, meta, run)
@@ -635,9 +639,16 @@ def _unstack(g: _Graph, stacked: Value, like: Value, dim: int, run: _Run, meta: 
         shape = (*shape[:dim], run.count_dim, *shape[dim:])
         stacked = g.add("Transpose", [stacked], f"{like.name}_gathered", like.dtype, shape, {"perm": perm})
     merged = _sliced_shape(like, meta, run, run.count_dim)
+    target = None
     if run.static and all(isinstance(d, int) for d in merged):
         target = g.const(f"{like.name}_merged_shape", np.array(merged, np.int64))
-    else:           # the dims around the slices' two, read from the stacked value itself
+    elif not run.static and not run.last and dims.can_emit(merged):
+        # The full slices' Loop may run none (a count formula of 1 at small sizes, a label shift's
+        # row left for the last run): ONNX Runtime then stacks its scan outputs as zeros in every
+        # dim it cannot infer, so the target is computed from the formulas, where the inputs' dims
+        # give them (its 0 rows at `dim` copy the stack's count, 0 too).
+        target = _shape_value(g, dims, merged, f"{like.name}_merged_shape", target=False)
+    if target is None:      # the dims around the slices' two, read from the stacked value itself
         parts = [g.add("Shape", [stacked], f"{like.name}_lead", DType.INT64, (dim,), {"start": 0, "end": dim})] \
             if dim else []
         parts += [g.const("rows", np.array([-1], np.int64)),

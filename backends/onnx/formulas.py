@@ -45,6 +45,10 @@ class DimEmitter:
         self.made[expr] = value
         return value
 
+    def can_emit(self, exprs) -> bool:
+        """Whether every symbol of `exprs` is a dim of a graph input (`emit` raises otherwise)."""
+        return all(s in self.sources for e in exprs for s in sympy.sympify(e).free_symbols)
+
     def _op(self, op: str, *inputs: Value) -> Value:
         return self.add(op, list(inputs), f"dim_{op.lower()}", DType.INT64, (1,))
 
