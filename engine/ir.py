@@ -183,6 +183,12 @@ class Graph:
     # guard their own sizes (at least two rows each, the last slice's rows), which no declared
     # range proves: a region sliced along it is refused (`Reason.constrained_dims`).
     constrained_dims: frozenset[str] = frozenset()
+    # The sizes the graph was traced at, where the examples are others (fx: a dynamic dim planned
+    # at its largest). A fixed count of slices of floor(size / count) rows (SliceSizes.FIXED_COUNT)
+    # is at most the rows at these sizes: a size the graph's guards let in then gives every slice
+    # a row (a shorter one compiles again and is planned at its own size), where slices of no
+    # rows fail Inductor's lowering.
+    dim_traced: dict[str, int] = field(default_factory=dict)
     _names: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -357,7 +363,8 @@ class Graph:
                  for n in self.nodes]
         return Graph(nodes, inputs, [val(v) for v in self.outputs], inits, self.name,
                      dict(self.dim_examples), dict(self.meta), self.forward_outputs, self.slicing,
-                     self.dynamic_reshapes, self.eager_random, self.open_dims, self.constrained_dims)
+                     self.dynamic_reshapes, self.eager_random, self.open_dims, self.constrained_dims,
+                     dict(self.dim_traced))
 
     def verify(self) -> None:
         """Raise GraphError naming the node when the graph is not a valid SSA schedule."""

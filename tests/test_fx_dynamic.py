@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sympy  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -405,6 +406,34 @@ class HandWrittenLoss(_HeadAfterACausalMask):
         x = self.masked(x)
         logits = self.head(x).view(-1, self.head.out_features)
         return -logits.log_softmax(-1).gather(-1, targets.view(-1)[:, None]).mean()
+
+
+class NCLAfterACausalMask(_HeadAfterACausalMask):
+    """The (N, C, L) loss after the mask, whose 256 rows bound the length Dynamo plans for."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.masked(x)).transpose(1, 2), targets)
+
+
+def test_a_length_shorter_than_two_rows_a_slice_compiles_again_with_fewer_slices(fresh_compiles):
+    """Planned at the mask's 256 (64 MiB of logits at batch 2), the loss is sliced inside each
+    sequence in 4 slices of floor(s / 4) rows. Length 5 gives them one row; the graph's guards
+    (at least two) compile it again, still planned at 256 but traced at 5: at most 5 // 2 slices,
+    two rows each there (Graph.dim_traced). Before, 4 slices of one row here; a nanoGPT with its
+    label shift, its mask 1024 rows, failed there: slices of one row (5 at length 5) the pass
+    (`Unknown metadata type <class 'int'>`, a size Inductor made a number), of none (16 at length
+    9) Inductor's lowering (`ValueRangeError: Invalid ranges [2:1]`)."""
+    torch.manual_seed(0)
+    model = NCLAfterACausalMask()
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat, dynamic=True)
+    for length in (256, 5):
+        g = torch.Generator().manual_seed(length)
+        inputs = (torch.randn(2, length, 32, generator=g), torch.randint(0, 32768, (2, length), generator=g))
+        _matches_eager(model, compiled, inputs, length)
+    long, short = [r for result in remat.remat_pass.chunk_results for r in result.chunks]
+    assert len(long.chunks) == 4 and len(short.chunks) == 2 and not remat.remat_pass.failures
+    assert {m.rows.outer for m in short.meta.values() if m.dim is not None} - {1}
 
 
 def _two_lengths_match_eager(model: torch.nn.Module):

@@ -194,6 +194,7 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
                            dynamic_reshapes=True, eager_random=bool(inductor_config.fallback_random))
             result.dim_examples = _dim_examples(graph)
+            result.dim_traced = {name: traced for name, (traced, _) in dim_bounds(graph).items()}
             result.open_dims = frozenset(name for name, (_, largest) in dim_bounds(graph).items() if largest is None)
             result.constrained_dims = constrained_dims()
             result.unite_sizes(size_facts(graph), smallest_sizes(graph))

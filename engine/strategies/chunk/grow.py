@@ -685,6 +685,10 @@ class _Grower:
                                      f"`{action.count.text}` depends on a dynamic dim); this backend builds "
                                      f"slices of static sizes only")
             # what the slices' sizes are made of: the rows (or whole groups) split, and a count not fixed
+            if fixed and self.graph.dim_traced and not in_groups:
+                # (a region of whole groups over a dynamic batch is first grown to see whether it
+                # can be sliced inside the groups instead: grow_chunk)
+                count = self.traced_count(size, count)
             sliced = free_dims(sympy.sympify(size)) | (set() if fixed else free_dims(sympy.sympify(formula)))
             constrained = sorted(sliced & self.graph.constrained_dims)
             if constrained:
@@ -701,6 +705,20 @@ class _Grower:
         return ChunkRegion(self.match, nodes, self.meta, inputs, sizes,
                            tangent, chain, [n for n in nodes if id(n) in self.elided], phases, normalizer,
                            self.means, extent, count_formula, dict(self.reshaped), granule, leaving, slicing)
+
+    def traced_count(self, size: Any, count: int) -> int:
+        """A fixed count of slices of at least two of the chunked rows at the sizes the graph was
+        traced at (Graph.dim_traced): Dynamo specializes a size of 0 or 1, so each slice of
+        floor(size / count) rows guards at least two, and a size below that compiles again,
+        planned at its own size; slices of no rows there failed Inductor's lowering, of one the
+        remat pass. Refused where those rows give fewer than two such slices."""
+        rows = evaluate(size, {**self.examples, **self.graph.dim_traced})
+        if rows is None or rows >= 2 * count:
+            return count
+        if rows < 4:
+            raise Refused(f"the chunked dim has the symbolic size {size}, {rows} row(s) at the sizes this graph "
+                          f"was traced at: fewer than two slices of two rows")
+        return int(rows) // 2
 
     def exact_count(self, size: Any, count: int, fixed: bool, constrained: list[str]) -> int:
         """The slice count for rows whose size is over dims with a declared range every guard must
