@@ -411,7 +411,8 @@ def test_a_label_shift_over_dynamic_batch_and_length_is_sliced_inside_each_seque
     batch (a Reshape target the export computes took the slice's size, not the shifted value's
     rows in the last slice, and ONNX Runtime refused it)."""
     torch.manual_seed(0)
-    module = {"ncl": NCLHead(16, 300), "ncl-shift": NCLShiftHead(16, 300)}.get(loss) or ShiftHead(16, 300, loss)
+    head = {"ncl": NCLHead, "ncl-shift": NCLShiftHead}.get(loss)
+    module = head(16, 300) if head else ShiftHead(16, 300, loss)
     exported = export_training_step(module, _softcap_inputs(2, 24, 16, 300), ["x", "labels"],
                                     dynamic_dims={0: "batch", 1: "seq"} if dims == "both" else {0: "batch"})
     rules = compile_text(CHUNK_RULE.format(count=count), "chunk.rule")

@@ -373,9 +373,10 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
         def node(f, *args):
             return graph.call_function(f, args)
 
+        outers = [_outer(r.meta.rows, shapes.value) for r in input_meta]      # each input's groups, once
         for piece in _slices(region):
             args = []
-            for x, r in zip(operands, input_meta):
+            for x, r, outer in zip(operands, input_meta, outers):
                 m = r.meta
                 if m.dim is None:
                     args.append(x)
@@ -390,7 +391,7 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
                 args.append(_slice_rows(node, x, r.shape, m, piece.bounds(m, rows.get(m.unit), emit, groups),
-                                        shapes.shape, _outer(m.rows, shapes.value)))
+                                        shapes.shape, outer))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                        (graph.get_attr(attr), attr, *args, *sizes, *sums.values()))
@@ -483,11 +484,12 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
     for x, r in zip(inputs, input_meta):
         p = sub.placeholder(x.name)
         val = x.meta["val"] if r.reshaped is None else x.meta["val"].reshape(r.reshaped)
+        outer = _outer(r.meta.rows, value)
         if r.meta.dim is not None:
             rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta.rows, lambda f, a, b: f(a, b),
-                                                       _outer(r.meta.rows, value)))
+                                                       outer))
         p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None,
-                                    _outer(r.meta.rows, value))
+                                    outer)
         env[x] = p
     for x in sizes:
         env[x] = sub.placeholder(x.name)

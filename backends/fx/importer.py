@@ -193,9 +193,10 @@ def import_fx(source: fx.GraphModule | fx.Graph, forward_outputs: int | None = N
             # shapes it reshapes to from the graph's own sizes (backends.fx.sizes)
             result = Graph(nodes, inputs, outputs, attributes, name="joint", slicing=SliceSizes.FIXED_COUNT,
                            dynamic_reshapes=True, eager_random=bool(inductor_config.fallback_random))
-            result.dim_examples = _dim_examples(graph)
-            result.dim_traced = {name: traced for name, (traced, _) in dim_bounds(graph).items()}
-            result.open_dims = frozenset(name for name, (_, largest) in dim_bounds(graph).items() if largest is None)
+            bounds = dim_bounds(graph)
+            result.dim_examples = _planned_sizes(bounds)
+            result.dim_traced = {name: traced for name, (traced, _) in bounds.items()}
+            result.open_dims = frozenset(name for name, (_, largest) in bounds.items() if largest is None)
             result.constrained_dims = constrained_dims()
             result.unite_sizes(size_facts(graph), smallest_sizes(graph))
             result.forward_outputs = _forward_outputs(fx_node, values, forward_outputs)
@@ -212,7 +213,12 @@ def _dim_examples(graph: fx.Graph) -> dict[str, int]:
     traced at (`dim_bounds` tells them apart). The rules' guards (`bytes(y) >= 256 KiB`), the
     slice counts and the budget are decided at these sizes, and the plan table shows its
     savings as formulas over the symbols, evaluated there."""
-    return {name: largest if largest is not None else traced for name, (traced, largest) in dim_bounds(graph).items()}
+    return _planned_sizes(dim_bounds(graph))
+
+
+def _planned_sizes(bounds: dict[str, tuple[int, int | None]]) -> dict[str, int]:
+    """_dim_examples from `dim_bounds`: each symbol's largest, else its traced size."""
+    return {name: largest if largest is not None else traced for name, (traced, largest) in bounds.items()}
 
 
 def dim_bounds(graph: fx.Graph) -> dict[str, tuple[int, int | None]]:

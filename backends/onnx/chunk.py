@@ -310,11 +310,10 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         # A group's rows may be a formula (a sequence of seq tokens): computed before the Loop.
         numerator, denominator = ((unit.numerator, unit.denominator) if isinstance(unit, Fraction)
                                   else sympy.fraction(sympy.cancel(unit)))
-        size = size_value
-        scaled = g.add("Mul", [x, size(numerator, "unit_rows")], f"{x.name}_scaled", DType.INT64, (1,))
+        scaled = g.add("Mul", [x, size_value(numerator, "unit_rows")], f"{x.name}_scaled", DType.INT64, (1,))
         if denominator == 1:
             return scaled
-        return g.add("Div", [scaled, size(denominator, "unit_per")], f"{x.name}_rows", DType.INT64, (1,))
+        return g.add("Div", [scaled, size_value(denominator, "unit_per")], f"{x.name}_rows", DType.INT64, (1,))
 
     def short(x: Value, m: ChunkMeta) -> Value:
         """`x` less the rows a value ends short, in a dynamic region's last run (_Run.rows)."""
