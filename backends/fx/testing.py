@@ -1,12 +1,19 @@
-"""engine.testing's torch runner: a generated training graph as a torch module, eager against remat.
+"""engine.testing's torch runner: a generated training graph as a torch module, compiled without
+the rules against compiled with them.
 
 The forward part of the IR graph becomes a module (each op as the torch function it stands
-for; the backward is autograd's, not the IR's). The rewrite runs the way `backend="remat"` runs
-it, without Inductor's code generation: AOTAutograd traces the joint graph with Inductor's
-decompositions, remat's pass rewrites it (chunk regions as invoke_subgraph calls, recompute
-tags), the min-cut partitioner splits it as Inductor calls it (honouring the tags), and the
-forward and backward graphs run eagerly. So what is compared is what the rules did, in a
-fraction of a second per graph, not what Inductor's kernels round differently.
+for; the backward is autograd's, not the IR's). Both runs go the way `backend="remat"` goes,
+without Inductor's code generation: AOTAutograd traces the joint graph with Inductor's
+decompositions, the min-cut partitioner splits it as Inductor calls it, and the forward and
+backward graphs run eagerly; in the rewritten run remat's pass rewrites the joint graph first
+(chunk regions as invoke_subgraph calls, recompute tags the partitioner honours). So what is
+compared is what the rules did, in a fraction of a second per graph, not what Inductor's kernels
+or its decompositions round differently from eager torch. (Against eager, a graph whose gradient
+is zero in exact arithmetic, `sum(softmax(x))`'s, differs by all of its rounding noise, and a
+float16 layer norm's weight gradient, summed in float32 by the decomposition and in float16 by
+eager's kernel, by 3%: neither is the rules' doing, and the rewrite matched the rule-free
+compile to the bit on every such graph a random Hypothesis profile drew.) The eager step still
+runs first: where torch cannot run the graph at all, it is Unrunnable, not the rules' fault.
 """
 from __future__ import annotations
 
@@ -210,11 +217,12 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype is torch.bfloat16 else t).numpy().copy()
 
 
-def remat_eager_backend(rules: RuleSet, tiers: Sequence[str] = (), config: str | None = None):
+def remat_eager_backend(rules: RuleSet | None, tiers: Sequence[str] = (), config: str | None = None):
     """A torch.compile backend that rewrites as `backend="remat"` does (with `config`, or every
     plan the rules offer on the joint graph, compromises included) and runs the partitioned
     graphs eagerly: AOTAutograd with Inductor's decompositions, remat's pass on the joint graph,
-    the min-cut partitioner as Inductor calls it. `.remat_pass` holds what the pass did."""
+    the min-cut partitioner as Inductor calls it. `.remat_pass` holds what the pass did. With
+    `rules` None, the same path without remat's pass (`.remat_pass` None): the original."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -222,17 +230,26 @@ def remat_eager_backend(rules: RuleSet, tiers: Sequence[str] = (), config: str |
 
     from .compile import RematPass
 
-    reports: list[str] = []
-    remat_pass = RematPass(rules, config, tiers, reports.append, strict=True)
-    remat_pass.reports = reports
+    remat_pass = None
+    if rules is not None:
+        reports: list[str] = []
+        remat_pass = RematPass(rules, config, tiers, reports.append, strict=True)
+        remat_pass.reports = reports
 
     def partition(joint, joint_inputs, **kwargs):
+        if remat_pass is None:
+            return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
         if config is None:   # every plan the rules offer on this joint graph, compromises included
             from engine.driver import plan_all
 
-            from .importer import import_fx
+            from .compile import FxBuilder
 
-            planning = plan_all(lambda fold: import_fx(joint.graph, fold=fold), rules, tuple(tiers), strict=True)
+            # Planned on the graph as the pass sees it (FxBuilder.start's copy, whose sizes are
+            # read from the inputs): a size read of a value the backward takes from the imported
+            # graph as given kept it saved, a plan the pass then could not find.
+            builder = FxBuilder(joint.graph, rules.views, strict=True)
+            builder.start()
+            planning = plan_all(builder.current, rules, tuple(tiers), strict=True)
             remat_pass.config = ",".join(p.config_string() for p in planning.plans) or None
         remat_pass(joint.graph)
         joint.recompile()
@@ -248,21 +265,20 @@ def remat_eager_backend(rules: RuleSet, tiers: Sequence[str] = (), config: str |
 
 
 def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: str | None = None) -> Run:
+    """The outputs of the graph compiled without the rules (the original) and with them (with
+    `config`, or every plan they offer). Unrunnable where torch cannot run or compile the graph."""
     module = GraphModule(tg)
     inputs = [torch.from_numpy(np.array(tg.feeds[n])) for n in module.input_names]
     try:
-        original = _step(module, module, inputs)
+        _step(module, module, inputs)
+        _mark_dynamic(tg, module, inputs)
+        original = _compiled_step(module, inputs, remat_eager_backend(None), tg)
     except Unrunnable:
         raise
     except Exception as exc:      # noqa: BLE001 - torch lacks a kernel (a dtype on the CPU): not the rules' fault
         raise Unrunnable(f"fx: the original graph does not run in torch: {type(exc).__name__}: {exc}") from None
-    _mark_dynamic(tg, module, inputs)
     backend = remat_eager_backend(rules, tiers, config)
-    torch._dynamo.reset()
-    try:
-        rewritten = _step(module, torch.compile(module, backend=backend, dynamic=bool(tg.dynamic) or None), inputs)
-    finally:
-        torch._dynamo.reset()
+    rewritten = _compiled_step(module, inputs, backend, tg)
     remat_pass = backend.remat_pass
     applied = []
     for result in [*remat_pass.chunk_results, *remat_pass.results]:
@@ -272,6 +288,14 @@ def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: st
                 applied.append(AppliedPlan(plan.config_string(), sorted({r.match.rule.name for r in regions}),
                                            [r.match.root.name for r in regions]))
     return Run("fx", original, rewritten, applied, "\n\n".join(remat_pass.reports))
+
+
+def _compiled_step(module: GraphModule, inputs: list[torch.Tensor], backend, tg: TrainingGraph) -> dict[str, np.ndarray]:
+    torch._dynamo.reset()
+    try:
+        return _step(module, torch.compile(module, backend=backend, dynamic=bool(tg.dynamic) or None), inputs)
+    finally:
+        torch._dynamo.reset()
 
 
 def _mark_dynamic(tg: TrainingGraph, module: GraphModule, inputs: list[torch.Tensor]) -> None:

@@ -512,18 +512,25 @@ def _step(g: _Builder) -> tuple[Graph, list[str]]:
     loss = parts[0]
     for p in parts[1:]:
         loss = g.b.emit("Add", [loss, p], "loss")
+    return with_backward(g.b, loss)
+
+
+def with_backward(b: GraphBuilder, loss: Value) -> tuple[Graph, list[str]]:
+    """The builder's forward nodes, named `loss` at `loss`, and their backward: the training
+    step's graph (the loss, then `grad.<param>` of each param that has one) and those params.
+    CannotBuild where no param reaches the loss."""
     loss.name = "loss"
-    forward = len(g.b.nodes)
-    grads = add_backward(g.b, loss)
+    forward = len(b.nodes)
+    grads = add_backward(b, loss)
     if not grads:
         raise CannotBuild("no parameter reaches the loss: there is no backward")
     outputs = [loss]
     for param, grad in grads:
-        out = g.b.emit("Identity", [grad], "grad")
+        out = b.emit("Identity", [grad], "grad")
         out.name = f"grad.{param.name}"
         outputs.append(out)
-    _drop_dead(g.b, outputs, forward)
-    graph = g.b.graph(outputs, forward_outputs=[loss.name])
+    _drop_dead(b, outputs, forward)
+    graph = b.graph(outputs, forward_outputs=[loss.name])
     graph.meta["forward_nodes"] = forward
     return graph, [p.name for p, _ in grads]
 
