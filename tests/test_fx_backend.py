@@ -261,3 +261,25 @@ def test_a_loss_computed_after_the_compiled_module_is_named_as_what_keeps_the_lo
                              "float32[512, 16384] tensor of 32.00 MiB to its caller") \
         and "Compute the loss inside what torch.compile compiles" in notice, notice
     assert remat.remat_pass.chunked == 0
+
+
+
+def test_a_large_gradient_the_step_returns_is_not_taken_for_a_loss_outside_the_graph(recwarn):
+    """`h @ w` over a parameter `h` (a learned table: learned queries, prompt tokens), the
+    product scaled by a parameter and summed: the loss rule would slice the rows of `h`, whose
+    gradient, the region's one large value, the step returns whole in any plan. The region is
+    refused for that, and the user was told to compute the loss inside the compiled code, which
+    already does (engine.testing's generated graphs drew it)."""
+    from backends.fx.testing import run
+    from engine.testing.generate import rule_alone, with_backward
+    from engine.testing.graphs import GraphBuilder, TrainingGraph, random_feeds
+
+    b = GraphBuilder()
+    h, w, tail = b.param("h", shape=(2048, 2048)), b.param("w", shape=(2048, 2)), b.param("tail", shape=(2048, 2))
+    rows = b.emit("ReduceSum", [b.emit("Mul", [b.emit("MatMul", [h, w]), tail]), b.const([-1], "int64")], keepdims=0)
+    graph, params = with_backward(b, b.emit("ReduceSum", [rows], keepdims=0))
+    tg = TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0))
+    rules = load_rules()
+    done = run(tg, rule_alone(rules, rules.rule("chunk_linear_cross_entropy")))
+    assert not done.applied
+    assert not [w for w in recwarn if "to its caller" in str(w.message)]

@@ -33,6 +33,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dsl.loader import load_rules
+from engine.analysis import analyze
 from engine.apply import Result
 from engine.collector import collector_paused
 from engine.driver import ChunkCalls, Rewrite, rewrite
@@ -262,11 +263,17 @@ RETURNED_WHOLE = ("remat: {rules} not applied: the compiled graph returns {what}
                   "that returns the loss; TORCH_LOGS=graph_breaks names a break), and remat chunks it")
 
 
-def _returned_notice(returned: dict[str, tuple[str, ...]], graph: Graph) -> str:
+def _returned_notice(returned: dict[str, tuple[str, ...]], graph: Graph) -> str | None:
     """RETURNED_WHOLE for the rules refused over values the graph returns, the largest named by
-    its type and size at the planned sizes."""
+    its type and size at the planned sizes; None where none of them is a forward output (the
+    large value is a gradient the step returns, a parameter's: whole in any step, and nothing the
+    user could move into the compiled code)."""
+    analysis = analyze(graph, graph.forward_outputs)
     names = {name for found in returned.values() for name in found}
-    values = [v for v in graph.values() if v.name in names]
+    values = [v for v in graph.values() if v.name in names and v.producer is not None
+              and analysis.is_forward(v.producer)]
+    if not values:
+        return None
     largest = max(values, key=lambda v: evaluate(v.nbytes, graph.dim_examples) or 0, default=None)
     what = "its large values" if largest is None else \
         f"a {largest.type_str} tensor of {format_bytes(evaluate(largest.nbytes, graph.dim_examples))}"
@@ -452,8 +459,9 @@ class RematPass(CustomGraphPass):
             dims = {d for found in constrained.values() for d in found}
             self._notice(CONSTRAINED_SIZES.format(rules=", ".join(sorted(constrained)), size=_size_name(dims, sources)))
         returned = refused(lambda reason: reason.returned_values)
-        if returned:
-            self._notice(_returned_notice(returned, graph))
+        notice = _returned_notice(returned, graph) if returned else None
+        if notice:
+            self._notice(notice)
         longer = refused(lambda reason: reason if reason.longer_inputs else None)
         if longer:
             self._notice(_longer_notice(longer, graph, sources))
