@@ -264,6 +264,13 @@ def remat_eager_backend(rules: RuleSet | None, tiers: Sequence[str] = (), config
     return compiled
 
 
+def reference(tg: TrainingGraph) -> dict[str, np.ndarray]:
+    """The step's outputs in eager torch, no rules (engine.testing's second opinion runs the step
+    widened to float64 here)."""
+    module = GraphModule(tg)
+    return _step(module, module, [torch.from_numpy(np.array(tg.feeds[n])) for n in module.input_names])
+
+
 def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: str | None = None) -> Run:
     """The outputs of the graph compiled without the rules (the original) and with them (with
     `config`, or every plan they offer). Unrunnable where torch cannot run or compile the graph."""

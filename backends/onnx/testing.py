@@ -34,11 +34,17 @@ def _with_tensor_payloads(graph: Graph) -> Graph:
     return copy
 
 
+def reference(tg: TrainingGraph) -> dict[str, np.ndarray]:
+    """The step's outputs as given, no rules (engine.testing's second opinion runs the step
+    widened to float64 here); raises where ONNX Runtime cannot run it."""
+    return run_model(export_model(_with_tensor_payloads(tg.graph), estimate=False), tg.feeds)
+
+
 def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: str | None = None) -> Run:
     """The original's outputs and those of its rewrite with `config` (by default every plan the
     rules offer, compromises included). Unrunnable when ONNX Runtime cannot run the original."""
     try:
-        original = run_model(export_model(_with_tensor_payloads(tg.graph), estimate=False), tg.feeds)
+        original = reference(tg)
     except Exception as exc:      # noqa: BLE001 - ONNX Runtime lacks a kernel: not the rules' fault
         raise Unrunnable(f"onnx: the original graph does not run: {exc}") from None
     if config is None:       # every plan the rules offer, compromises (type 2) included

@@ -16,7 +16,7 @@ import numpy as np
 from ..dtypes import DType
 from ..ir import Graph, Node, Value
 from ..shapes import Dim, as_dim, evaluate
-from .ops import NUMPY, OPS, In, infer
+from .ops import FLOATS, NUMPY, OPS, In, infer
 
 
 class GraphBuilder:
@@ -200,3 +200,20 @@ def static_sizes(graph: Graph, sizes: dict[str, int], keep: frozenset[str] = fro
             v.shape = tuple(fix(d) for d in v.shape)
     copy.dim_examples = {name: size for name, size in sizes.items() if name in keep}
     return copy
+
+
+def widened(tg: TrainingGraph) -> TrainingGraph:
+    """The same step with every float in float64 (values, casts, constants, feeds): what the
+    step computes, all but free of rounding, for judging how far rounding alone moved the
+    original's outputs (engine.testing.check's second opinion)."""
+    graph = tg.graph.copy()
+    for v in graph.values():
+        if v.dtype in FLOATS:
+            v.dtype = DType.FLOAT64
+            if isinstance(v.data, np.ndarray):
+                v.data = v.data.astype(np.float64)
+    for node in graph.nodes:
+        if node.op == "Cast" and node.attrs.get("to") in FLOATS:
+            node.attrs["to"] = DType.FLOAT64
+    feeds = {name: x.astype(np.float64) if x.dtype.kind == "f" else x for name, x in tg.feeds.items()}
+    return TrainingGraph(graph, tg.params, tg.forward_nodes, feeds, tg.rule, tg.dynamic, tg.sizes, tg.note)
