@@ -171,10 +171,15 @@ def child(name: str, args) -> dict:
     # dynamic shapes), and the measured steps run that dynamic graph. --vary-batch: its number
     # of sequences differs too (one fewer, or one more from 2: a size of 1 stays static), so
     # the batch is dynamic as well.
-    varying = args.vary_length or args.vary_batch
+    varying = args.vary_length or args.vary_batch or args.length_range
     short = [t[:, :args.seq - args.seq // 4] for t in inputs]
     if args.vary_batch:
         short = [t[:-1] if args.batch > 2 else torch.cat([t, t[:1]]) for t in short]
+    if args.length_range:
+        # As users declare a length that varies: one graph for every length from 2 to --seq, every
+        # guard checked against that range (the steps are measured at --seq).
+        for t in [*inputs, *short]:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=args.seq)
     for k in range(2):
         begin = time.perf_counter()
         if k == 1 and varying:
@@ -275,6 +280,9 @@ def main() -> None:
     ap.add_argument("--vary-batch", action="store_true",
                     help="as --vary-length, the first warm-up step's number of sequences differing too: "
                          "batch and length dynamic")
+    ap.add_argument("--length-range", action="store_true",
+                    help="the length marked dynamic with a declared range (mark_dynamic(t, 1, min=2, "
+                         "max=--seq)), the first warm-up step a quarter shorter: one graph for both")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -360,6 +368,7 @@ def main() -> None:
           f"{', returns (logits, loss)' if args.return_logits else ''}"
           f"{', length dynamic (a shorter first batch)' if args.vary_length and not args.vary_batch else ''}"
           f"{', batch and length dynamic (a first batch of other sizes)' if args.vary_batch else ''}"
+          f"{f', length declared in 2..{args.seq}' if args.length_range else ''}"
           f"{f', dropout {args.dropout}' if args.dropout else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"

@@ -35,6 +35,12 @@ class Planning:
     tiers: tuple[str, ...] = ()
     failures: list[PlanFailure] = field(default_factory=list)   # internal errors; those sites skipped
 
+    def standing_refusals(self) -> list[Refusal]:
+        """The refusals at nodes no plan took: a chunk rule refused where one tried after it
+        chunks the same root is not what the user needs to hear about."""
+        taken = {id(r.match.root) for p in self.plans for r in p.occurrences}
+        return [r for r in self.refusals if id(r.match.root) not in taken]
+
 
 def _priority(match: Match, analysis: Analysis) -> tuple[int, int, int]:
     """Higher priority first, then file order, then schedule order: who claims a value first."""
@@ -59,7 +65,14 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
     state = StashState.of(analysis)
     plans: dict[tuple[str, int], Plan] = {}
     refusals = []
+    # A node one chunk plan slices, by the rule: chunk rules at one root are alternatives, tried
+    # in priority order until one builds a region (the attention's queries, else its heads).
+    chunked_roots: dict[int, str] = {}
     for m in sorted(match(graph, enabled, context=ctx), key=lambda m: _priority(m, analysis)):
+        if m.rule.plan_type == PlanType.CHUNK and id(m.root) in chunked_roots:
+            refusals.append(Refusal(m, Reason(m.rule.location, f"{m.root.op} {m.root.name} is chunked by "
+                                              f"{chunked_roots[id(m.root)]}, a rule tried before this one")))
+            continue
         try:
             with at_site(m.site, "grow"):
                 region = grow_chunk(m, ctx) if m.rule.plan_type == PlanType.CHUNK else grow(m, ctx, state)
@@ -74,6 +87,8 @@ def plan(graph: Graph, rules: RuleSet, tiers: Iterable[str] = (),
             continue
         if isinstance(region, Region):
             state.claimed.update(id(t) for t in region.targets)
+        else:
+            chunked_roots[id(m.root)] = m.rule.name
         key = (region.key, region.plan_type)
         plans.setdefault(key, Plan(region.key, region.plan_type)).occurrences.append(region)
     for p in plans.values():

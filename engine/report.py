@@ -141,8 +141,9 @@ def plan_table(planning: "Planning", result: "Result | None" = None, markdown: b
         if result.peak_before is not None and result.peak_after is not None:
             lines.append(f"Estimated peak (in schedule order, views aliased): "
                          f"{format_bytes(result.peak_before)} -> {format_bytes(result.peak_after)}")
-    if planning.refusals:
-        lines += ["", f"{len(planning.refusals)} match(es) refused (see `remat explain`)."]
+    standing = planning.standing_refusals()     # not those whose root another rule chunks
+    if standing:
+        lines += ["", f"{len(standing)} match(es) refused (see `remat explain`)."]
     if planning.failures:
         lines += ["", "Skipped after an internal error (the other plans are unaffected):"]
         lines += [f"  {f}" for f in planning.failures]

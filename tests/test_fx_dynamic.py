@@ -140,6 +140,27 @@ def test_attention_chunks_at_dynamic_lengths(fresh_compiles):
     assert "MatMul+Softmax+" in keys and not remat.remat_pass.failures
 
 
+def test_attention_under_a_declared_range_chunks_along_its_heads(fresh_compiles, recwarn):
+    """`mark_dynamic(t, 1, min=2, max=512)`: the queries' slices, `floor(s / 4)` rows, guard sizes
+    the declared range cannot prove, so chunk_attention_scores is refused (RefusedConstrained);
+    chunk_attention_heads, tried after it at the same root, slices the static heads instead, one
+    graph for both lengths. Before, the scores stayed whole, with a notice. The refusal of the
+    rule a later one replaced is not the user's to hear."""
+    model = gpt(GPTConfig(vocab=256, d_model=32, layers=1, heads=4, seq=512, batch=4, dropout=0.0))
+    remat = fx_backend.backend(strict=True)
+    compiled = torch.compile(model, backend=remat)
+    g = torch.Generator().manual_seed(0)
+    for length in (512, 401):
+        inputs = [torch.randint(0, 256, (4, length), generator=g) for _ in range(2)]
+        _matches_eager(model, compiled, _mark_lengths(inputs, 512), length)
+    [chunking] = remat.remat_pass.chunk_results
+    [region] = chunking.chunks
+    assert region.match.rule.name == "chunk_attention_heads" and len(region.chunks) == 4
+    assert region.extent is None and not remat.remat_pass.failures     # static slices: the heads
+    assert [r.match.rule.name for r in chunking.planning.refusals] == ["chunk_attention_scores"]
+    assert not remat.remat_pass.notices, remat.remat_pass.notices
+
+
 def _mark_lengths(inputs, largest):
     for t in inputs:
         if largest is None:

@@ -47,9 +47,18 @@ def test_fixed_variants_use_every_switch_value():
     assert sum("div_float" in v.name for v in zoo.FIXED) >= 1     # the model
 
 
+# Shipped rules that fire where the zoo's models do not go, and the test that fires them: the
+# attention's heads are chunked only where its queries cannot be, a length with a declared range,
+# under which the zoo's GPT specializes its length (plain Inductor: ConstraintViolationError).
+FIRED_ELSEWHERE = {
+    "chunk_attention_heads": "tests/test_fx_dynamic.py::test_attention_under_a_declared_range_chunks_along_its_heads",
+}
+
+
 def test_every_shipped_rule_fires_somewhere_in_the_zoo():
     fired = set()
     for variant in zoo.FIXED:
         fired |= {rule for rule, n in result_of(variant).fired.items() if n}
-    missing = zoo.shipped_rule_names() - fired
+    assert not fired & set(FIRED_ELSEWHERE), "the zoo fires it now: drop it from FIRED_ELSEWHERE"
+    missing = zoo.shipped_rule_names() - fired - set(FIRED_ELSEWHERE)
     assert not missing, f"never fired over FIXED: {sorted(missing)}"

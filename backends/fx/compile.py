@@ -426,7 +426,7 @@ class RematPass(CustomGraphPass):
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
             self.chunk_results.append(done.chunk_result)
-            self._chunk_notices(done.chunk_result.planning.refusals, done.chunk_result.planning.graph,
+            self._chunk_notices(done.chunk_result.planning.standing_refusals(), done.chunk_result.planning.graph,
                                 size_sources(builder.graph))
         self.results.append(done.result)
         self.chunked += done.chunked
