@@ -519,3 +519,28 @@ def test_sizes_a_guard_proves_equal_are_one_size_and_the_loss_after_a_graph_brea
     # whole sequences where the shift slices the length, else tokens of one batch symbol
     assert len(region.extent.free_symbols) == (1 if shift else 2)
     assert not [w for w in recwarn if "torch cannot prove it" in str(w.message)]
+
+
+def test_a_static_region_over_a_dynamic_dim_merged_into_its_rows_slices_it_as_a_size_of_the_graph():
+    """Scores `q @ k` of (256, 128, d) by (256, d, 128), d dynamic, sliced along the static 256
+    (the heads rule's dim, engine.testing's graphs found it): the joint graph views k's gradient
+    with d merged into those rows, so a slice's rows there are a formula, 64 * d; the builder
+    handed it to `aten.slice` as a sympy expression and the plan failed. Now a formula bound is
+    the graph's own size (a SymInt in the bodies' fake tensors, a node in the graph)."""
+    import numpy as np
+
+    from backends.fx.testing import run
+    from dsl.loader import load_rules
+    from engine.testing.check import differences
+    from engine.testing.generate import rule_alone, with_backward
+    from engine.testing.graphs import GraphBuilder, TrainingGraph, random_feeds
+
+    b = GraphBuilder({"d": 2})
+    scores = b.emit("MatMul", [b.input("q", shape=(256, 128, "d")), b.param("k", shape=(256, "d", 128))])
+    tail = b.emit("MatMul", [scores, b.param("tail", shape=(128, 2))])
+    loss = b.emit("ReduceSum", [b.emit("ReduceSum", [tail, b.const([-1], np.int64)], keepdims=0)], keepdims=0)
+    graph, params = with_backward(b, loss)
+    tg = TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0), dynamic=frozenset({"d"}))
+    rules = load_rules()
+    done = run(tg, rule_alone(rules, rules.rule("chunk_attention_heads")))
+    assert [p.rules for p in done.applied] == [["chunk_attention_heads"]] and not differences(tg, done, 1e-4)

@@ -114,16 +114,22 @@ class _Slice:
     count: int
     dynamic: bool
 
-    def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b), groups=None) -> tuple:
+    def bounds(self, meta: ChunkMeta, size, apply=lambda f, a, b: f(a, b), groups=None, lower=None) -> tuple:
         """The rows of a value with `meta` in this slice. `size`, where dynamic: the rows of the
         values of its unit along their chunk dim, counted unshifted (a value a row short, the
         label shift's `logits[:-1]`, has `size - 1`: Rows.tail), a SymInt or the fx node of one
         (`apply` then emitting the arithmetic as nodes). A region sliced in whole groups (a unit
         other than one: the value has `size // groups` rows per group) needs `groups`, the
         region's extent, of the same kind as `size`. The grower plans dynamic regions with no
-        rows dropped at the start (Rows.lead): the first slice may be empty."""
+        rows dropped at the start (Rows.lead): the first slice may be empty. `lower`: a formula
+        as the kind of size it is sliced with (a SymInt, or a node), for a static region's rows
+        of a value whose rows per chunked row are a formula (a batch sliced where a dynamic dim
+        is merged into it: 256 rows of a (256 * s0, n) view, in slices of 64 * s0)."""
         if not self.dynamic:
-            return meta.span(self.start, self.end, self.total)
+            bounds = meta.span(self.start, self.end, self.total)
+            if lower is None or all(is_static(b) for b in bounds):
+                return bounds
+            return tuple(int(b) if is_static(b) else lower(b) for b in bounds)
         if meta.rows.lead or (meta.unit != 1 and groups is None):
             raise GraphError(f"remat bug: a region over a dynamic size has rows {meta.rows}")
 
@@ -150,14 +156,16 @@ def _arithmetic(apply):
     return lambda f, a, b: f(a, b) if isinstance(a, int) and isinstance(b, int) else apply(f, a, b)
 
 
-def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None, outer=1) -> torch.Tensor:
+def _fake_slice(t: torch.Tensor, meta: ChunkMeta, piece: _Slice, groups=None, rows=None, outer=1,
+                value=None) -> torch.Tensor:
     """`rows`: the rows the slice bounds are laid out over where not `t`'s own (the first operand
     of its unit's, as _rewire slices them: a size written with other symbols, proven equal).
-    `outer`: the value's number of groups (Rows.outer), a SymInt where dynamic."""
+    `outer`: the value's number of groups (Rows.outer), a SymInt where dynamic. `value`: a
+    formula as its SymInt (SizeNodes.value)."""
     if meta.dim is None:
         return t
-    return _slice_rows(lambda f, *args: f(*args), t, tuple(t.shape), meta,
-                       piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups), outer=outer)
+    bounds = piece.bounds(meta, t.shape[meta.dim] if rows is None else rows, groups=groups, lower=value)
+    return _slice_rows(lambda f, *args: f(*args), t, tuple(t.shape), meta, bounds, outer=outer)
 
 
 def _outer(rows: Rows, value):
@@ -390,7 +398,8 @@ def _rewire(graph: fx.Graph, region: ChunkRegion, inputs: list[fx.Node], input_m
                     rows[m.unit] = _chunked_rows(size, m.rows, _arithmetic(emit), _outer(m.rows, shapes.formula))
                 if piece.dynamic and m.unit != 1 and groups is None:
                     groups = shapes.formula(region.extent)
-                args.append(_slice_rows(node, x, r.shape, m, piece.bounds(m, rows.get(m.unit), emit, groups),
+                args.append(_slice_rows(node, x, r.shape, m, piece.bounds(m, rows.get(m.unit), emit, groups,
+                                                                      shapes.formula),
                                         shapes.shape, outer))
             attr = subgraphs[region.slice_class(piece.start, piece.end)]
             call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
@@ -489,7 +498,7 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
             rows.setdefault(r.meta.unit, _chunked_rows(val.shape[r.meta.dim], r.meta.rows, lambda f, a, b: f(a, b),
                                                        outer))
         p.meta["val"] = _fake_slice(val, r.meta, piece, groups, rows.get(r.meta.unit) if piece.dynamic else None,
-                                    outer)
+                                    outer, value)
         env[x] = p
     for x in sizes:
         env[x] = sub.placeholder(x.name)
