@@ -217,3 +217,16 @@ def widened(tg: TrainingGraph) -> TrainingGraph:
             node.attrs["to"] = DType.FLOAT64
     feeds = {name: x.astype(np.float64) if x.dtype.kind == "f" else x for name, x in tg.feeds.items()}
     return TrainingGraph(graph, tg.params, tg.forward_nodes, feeds, tg.rule, tg.dynamic, tg.sizes, tg.note)
+
+
+def nudged(tg: TrainingGraph, seed: int = 0) -> TrainingGraph:
+    """The same step with every float feed one unit in its last place away, up or down at
+    random: how far the step's outputs move for rounding of their inputs' size (engine.testing.
+    check's second opinion)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, x in tg.feeds.items():
+        if x.dtype.kind == "f":
+            x = np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf), np.nextafter(x, -np.inf)).astype(x.dtype)
+        feeds[name] = x
+    return TrainingGraph(tg.graph, tg.params, tg.forward_nodes, feeds, tg.rule, tg.dynamic, tg.sizes, tg.note)
