@@ -265,10 +265,13 @@ def remat_eager_backend(rules: RuleSet | None, tiers: Sequence[str] = (), config
 
 
 def reference(tg: TrainingGraph) -> dict[str, np.ndarray]:
-    """The step's outputs in eager torch, no rules (engine.testing's second opinion runs the step
-    widened to float64 here)."""
+    """The step's outputs compiled without the rules, as `run`'s original (engine.testing's second
+    opinion runs the step widened to float64 here, and on nudged inputs: measured the way the
+    original is, so the distance is rounding's, not eager's from the decomposition's)."""
     module = GraphModule(tg)
-    return _step(module, module, [torch.from_numpy(np.array(tg.feeds[n])) for n in module.input_names])
+    inputs = [torch.from_numpy(np.array(tg.feeds[n])) for n in module.input_names]
+    _mark_dynamic(tg, module, inputs)
+    return _compiled_step(module, inputs, remat_eager_backend(None), tg)
 
 
 def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: str | None = None) -> Run:
@@ -278,12 +281,12 @@ def run(tg: TrainingGraph, rules: RuleSet, tiers: Sequence[str] = (), config: st
     inputs = [torch.from_numpy(np.array(tg.feeds[n])) for n in module.input_names]
     try:
         _step(module, module, inputs)
-        _mark_dynamic(tg, module, inputs)
-        original = _compiled_step(module, inputs, remat_eager_backend(None), tg)
+        original = reference(tg)
     except Unrunnable:
         raise
     except Exception as exc:      # noqa: BLE001 - torch lacks a kernel (a dtype on the CPU): not the rules' fault
         raise Unrunnable(f"fx: the original graph does not run in torch: {type(exc).__name__}: {exc}") from None
+    _mark_dynamic(tg, module, inputs)
     backend = remat_eager_backend(rules, tiers, config)
     rewritten = _compiled_step(module, inputs, backend, tg)
     remat_pass = backend.remat_pass
