@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from dsl.loader import compile_text, load_rules
 from engine.testing import (assert_rule_fires, assert_rule_refuses, assert_rules_preserve_numerics,
                             training_graphs)
-from engine.testing.generate import FILL, fires, rule_alone, supported_ops, unsupported
+from engine.testing.generate import FILL, fires, rule_alone, supported_ops, training_graph, unsupported
 from engine.testing.ops import OPS
 from engine.why_not import why_not
 from ir_graphs import GraphBuilder, gelu_training_graph
@@ -179,29 +179,20 @@ def test_outputs_are_compared_above_the_noise_floor():
 def _softmax_sum_step():
     """`sum(softmax(w))` over 393216 float32 elements: 1 whatever w is, so w's gradient is zero in
     exact arithmetic and rounding noise in any computer's."""
-    from engine.testing.generate import with_backward
-    from engine.testing.graphs import TrainingGraph, random_feeds
-
     b = GraphBuilder()
     w = b.param("w", shape=(393216,))
-    loss = b.emit("ReduceSum", [b.emit("Softmax", [w], axis=0)], keepdims=0)
-    graph, params = with_backward(b, loss)
-    return TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0))
+    return training_graph(b, b.emit("ReduceSum", [b.emit("Softmax", [w], axis=0)], keepdims=0))
 
 
 def _float16_norm_step():
     """A float16 layer norm of 768 rows whose weight's gradient sums the rows: the decomposition
     Inductor compiles sums it in float32, eager's kernel in float16, 3% apart."""
-    from engine.testing.generate import with_backward
-    from engine.testing.graphs import TrainingGraph, random_feeds
-
     b = GraphBuilder()
     x = b.param("x", "float16", (768, 1024))
     scale, bias = b.param("scale", "float16", (1024,)), b.param("bias", "float16", (1024,))
     y = b.emit("LayerNormalization", [x, scale, bias], axis=-1, epsilon=1e-5)
     loss = b.emit("ReduceSum", [b.emit("MatMul", [y, b.param("tail", "float16", (1024, 2))])], keepdims=0)
-    graph, params = with_backward(b, loss)
-    return TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 3))
+    return training_graph(b, loss, seed=3)
 
 
 @pytest.mark.parametrize("step, rule", [(_softmax_sum_step, "recompute_softmax"),
@@ -229,14 +220,11 @@ def test_the_torch_runner_plans_on_the_joint_graph_as_the_pass_sees_it():
     naming it failed the rule's item ("names no plan"). The runner plans on the pass's view."""
     pytest.importorskip("torch")
     from backends.fx.testing import run
-    from engine.testing.generate import rule_alone, with_backward
-    from engine.testing.graphs import TrainingGraph, random_feeds
 
     b = GraphBuilder({"d0": 65536})
     w, v = b.param("w", shape=("d0",)), b.param("v", shape=(2,))
     loss = b.emit("ReduceSum", [b.emit("Concat", [w, v, b.input("x", shape=(2,))], axis=0)], keepdims=0)
-    graph, params = with_backward(b, loss)
-    tg = TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0), dynamic=frozenset({"d0"}))
+    tg = training_graph(b, loss, dynamic=frozenset({"d0"}))
     done = run(tg, rule_alone(RULES, RULES.rule("recompute_layout")))
     assert set(done.original) == {"loss", "grad.w", "grad.v"}
     assert all(np.array_equal(done.rewritten[k], value) for k, value in done.original.items())
@@ -247,23 +235,21 @@ def _float16_loss_of_a_norm_step():
     (Hypothesis's random profile drew it): the products cancel, the loss is 1.26 where its
     terms are 30 times that, and ONNX Runtime's original graph computes it 0.036 from float64."""
     from engine.dtypes import DType
-    from engine.testing.generate import with_backward
-    from engine.testing.graphs import TrainingGraph, random_feeds
 
     b = GraphBuilder()
     x, lx, lw = b.param("x", "float16", (768, 768)), b.input("lx", "float16", (768,)), b.param("lw", "float16", (768,))
     y = b.emit("LayerNormalization", [x, b.emit("Mul", [lx, lw])], axis=-1)
     t = b.emit("Cast", [b.emit("MatMul", [y, b.param("tail", "float16", (768, 2))])], to=DType.FLOAT32)
     loss = b.emit("ReduceSum", [b.emit("ReduceSum", [t, b.const([-1], np.int64)], keepdims=0)], keepdims=0)
-    graph, params = with_backward(b, loss)
-    return TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 1))
+    return training_graph(b, loss, seed=1)
 
 
 def test_a_rewrite_that_rounds_otherwise_is_judged_against_the_step_in_float64():
     """Recomputing the norm changes which kernels ONNX Runtime runs the forward with, and the
     loss moved by 2.8% of itself: over float16's 1% relative to the output, and yet the
     rewritten loss is 3e-5 from the float64 step where the original's is 0.036. A difference is
-    the rules' only beyond ROUNDING_FACTOR times the original's own distance from float64."""
+    the rules' only beyond ROUNDING_FACTOR times what rounding alone moves the original (its
+    distance from float64, its change for inputs one ulp away)."""
     from backends.onnx.testing import run
     from engine.testing.check import _SecondOpinion, beyond_rounding, differences
 

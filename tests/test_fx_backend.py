@@ -263,7 +263,6 @@ def test_a_loss_computed_after_the_compiled_module_is_named_as_what_keeps_the_lo
     assert remat.remat_pass.chunked == 0
 
 
-
 def test_a_large_gradient_the_step_returns_is_not_taken_for_a_loss_outside_the_graph(recwarn):
     """`h @ w` over a parameter `h` (a learned table: learned queries, prompt tokens), the
     product scaled by a parameter and summed: the loss rule would slice the rows of `h`, whose
@@ -271,14 +270,13 @@ def test_a_large_gradient_the_step_returns_is_not_taken_for_a_loss_outside_the_g
     refused for that, and the user was told to compute the loss inside the compiled code, which
     already does (engine.testing's generated graphs drew it)."""
     from backends.fx.testing import run
-    from engine.testing.generate import rule_alone, with_backward
-    from engine.testing.graphs import GraphBuilder, TrainingGraph, random_feeds
+    from engine.testing.generate import rule_alone, training_graph
+    from engine.testing.graphs import GraphBuilder
 
     b = GraphBuilder()
     h, w, tail = b.param("h", shape=(2048, 2048)), b.param("w", shape=(2048, 2)), b.param("tail", shape=(2048, 2))
     rows = b.emit("ReduceSum", [b.emit("Mul", [b.emit("MatMul", [h, w]), tail]), b.const([-1], "int64")], keepdims=0)
-    graph, params = with_backward(b, b.emit("ReduceSum", [rows], keepdims=0))
-    tg = TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0))
+    tg = training_graph(b, b.emit("ReduceSum", [rows], keepdims=0))
     rules = load_rules()
     done = run(tg, rule_alone(rules, rules.rule("chunk_linear_cross_entropy")))
     assert not done.applied

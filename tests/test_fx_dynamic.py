@@ -532,15 +532,14 @@ def test_a_static_region_over_a_dynamic_dim_merged_into_its_rows_slices_it_as_a_
     from backends.fx.testing import run
     from dsl.loader import load_rules
     from engine.testing.check import differences
-    from engine.testing.generate import rule_alone, with_backward
-    from engine.testing.graphs import GraphBuilder, TrainingGraph, random_feeds
+    from engine.testing.generate import rule_alone, training_graph
+    from engine.testing.graphs import GraphBuilder
 
     b = GraphBuilder({"d": 2})
     scores = b.emit("MatMul", [b.input("q", shape=(256, 128, "d")), b.param("k", shape=(256, "d", 128))])
     tail = b.emit("MatMul", [scores, b.param("tail", shape=(128, 2))])
     loss = b.emit("ReduceSum", [b.emit("ReduceSum", [tail, b.const([-1], np.int64)], keepdims=0)], keepdims=0)
-    graph, params = with_backward(b, loss)
-    tg = TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, 0), dynamic=frozenset({"d"}))
+    tg = training_graph(b, loss, dynamic=frozenset({"d"}))
     rules = load_rules()
     done = run(tg, rule_alone(rules, rules.rule("chunk_attention_heads")))
     assert [p.rules for p in done.applied] == [["chunk_attention_heads"]] and not differences(tg, done, 1e-4)

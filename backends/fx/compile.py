@@ -274,9 +274,8 @@ def _returned_notice(returned: dict[str, tuple[str, ...]], graph: Graph) -> str 
               and analysis.is_forward(v.producer)]
     if not values:
         return None
-    largest = max(values, key=lambda v: evaluate(v.nbytes, graph.dim_examples) or 0, default=None)
-    what = "its large values" if largest is None else \
-        f"a {largest.type_str} tensor of {format_bytes(evaluate(largest.nbytes, graph.dim_examples))}"
+    largest = max(values, key=lambda v: evaluate(v.nbytes, graph.dim_examples) or 0)
+    what = f"a {largest.type_str} tensor of {format_bytes(evaluate(largest.nbytes, graph.dim_examples))}"
     return RETURNED_WHOLE.format(rules=", ".join(sorted(returned)), what=what)
 
 

@@ -535,6 +535,13 @@ def with_backward(b: GraphBuilder, loss: Value) -> tuple[Graph, list[str]]:
     return graph, [p.name for p, _ in grads]
 
 
+def training_graph(b: GraphBuilder, loss: Value, seed: int = 0, dynamic: frozenset[str] = frozenset()) -> TrainingGraph:
+    """A step written by hand with a GraphBuilder, as the strategies draw theirs: `with_backward`,
+    random feeds from `seed`, the dims in `dynamic` kept symbolic (the builder's examples size them)."""
+    graph, params = with_backward(b, loss)
+    return TrainingGraph(graph, params, graph.meta["forward_nodes"], random_feeds(graph, seed), dynamic=dynamic)
+
+
 def _drop_dead(b: GraphBuilder, outputs: list[Value], forward: int) -> None:
     """Drop the backward nodes no output needs (a formula's gradient of an input that has none),
     as a training-step exporter does."""

@@ -8,7 +8,7 @@ and what each backend needs to run it again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -216,7 +216,7 @@ def widened(tg: TrainingGraph) -> TrainingGraph:
         if node.op == "Cast" and node.attrs.get("to") in FLOATS:
             node.attrs["to"] = DType.FLOAT64
     feeds = {name: x.astype(np.float64) if x.dtype.kind == "f" else x for name, x in tg.feeds.items()}
-    return TrainingGraph(graph, tg.params, tg.forward_nodes, feeds, tg.rule, tg.dynamic, tg.sizes, tg.note)
+    return replace(tg, graph=graph, feeds=feeds)
 
 
 def nudged(tg: TrainingGraph, seed: int = 0) -> TrainingGraph:
@@ -229,4 +229,4 @@ def nudged(tg: TrainingGraph, seed: int = 0) -> TrainingGraph:
         if x.dtype.kind == "f":
             x = np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf), np.nextafter(x, -np.inf)).astype(x.dtype)
         feeds[name] = x
-    return TrainingGraph(tg.graph, tg.params, tg.forward_nodes, feeds, tg.rule, tg.dynamic, tg.sizes, tg.note)
+    return replace(tg, feeds=feeds)
