@@ -150,6 +150,26 @@ def test_a_compile_that_asks_for_the_report_reports_though_aotautograd_cached_th
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])  # the second
     assert len(reports) == 1 and "Stashed activations" in reports[0], reports
 
+
+def test_report_true_prints_the_plan_table_and_a_report_that_cannot_be_called_is_refused(capsys):
+    """`options={"report": True}` is how users ask for the table; it used to reach the pass as a
+    bool, be called, and make the compile fall back to Inductor without remat."""
+    import warnings
+
+    from engine.errors import ConfigError
+
+    block = gpt(GPTConfig(vocab=64, d_model=32, layers=1, heads=2, seq=16, batch=2)).blocks[0]
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)      # remat's fallback warning fails the test
+        torch.compile(block, backend="remat", options={"report": True, "strict": False})(x).sum().backward()
+    torch._dynamo.reset()
+    assert "Stashed activations" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="report must be True"):
+        fx_backend.backend(report="plans.txt")
+
+
 def _decomposed(with_outside_read_inside: bool):
     """gelu decomposed into exp and mul (same original_aten and seq_nr); optionally the mul also
     reads a value produced between the two members."""

@@ -306,9 +306,22 @@ def _longer_notice(longer: dict[str, Reason], graph: Graph, sources: dict[str, s
                                 longer=sizes(longer_examples(graph.dim_examples, graph.open_dims, first.longer_from)))
 
 
+def _reporter(report) -> Callable[[str], None] | None:
+    """`report` as given to backend(): a callable that takes each plan table, or True to print
+    the tables (what `options={"report": True}` asks for), or None/False for none."""
+    if report is None or report is False:
+        return None
+    if report is True:
+        return print
+    if not callable(report):
+        raise ConfigError(f"report must be True (print each plan table) or a callable that takes it, "
+                          f"not {report!r}")
+    return report
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
-                 report: Callable[[str], None] | None = None, strict: bool | None = None,
+                 report: Callable[[str], None] | bool | None = None, strict: bool | None = None,
                  budget=None, device=None):
         self.rules = rules
         self.config = config
@@ -322,7 +335,7 @@ class RematPass(CustomGraphPass):
         self.unreported: str | None = None      # the resolution of the graph compiling now, until it plans
         self.device = device                      # a DeviceProfile, or a name resolved per graph
         self.tiers = tuple(tiers)
-        self.report = report
+        self.report = _reporter(report)
         self.strict = resolve_strict(strict)
         self.results: list[Result] = []          # recompute and compromise, per joint graph
         self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
@@ -503,7 +516,7 @@ def skip_transformers_warnings() -> None:
 
 
 def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | None = None,
-            tiers: Iterable[str] = (), report: Callable[[str], None] | None = None,
+            tiers: Iterable[str] = (), report: Callable[[str], None] | bool | None = None,
             strict: bool | None = None, budget=None, device=None, ratio: float | None = None,
             mode: str | None = None):
     """A torch.compile backend: Inductor with the rules (a RuleSet, or rule files and folders;
@@ -517,7 +530,7 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
     Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor.
-    `report` receives each rewritten graph's plan table, on every compile. A graph AOTAutograd
+    `report` receives each rewritten graph's plan table, on every compile (True: printed). A graph AOTAutograd
     serves from its cache (keyed with RematPass.uuid: the same graph, rules, config, tiers and
     budget compiled before) runs no joint pass and would report nothing, though its code is the
     rewritten graph's; so with `report` remat's compiles skip AOTAutograd's cache (Inductor's FX
