@@ -166,6 +166,7 @@ def test_launchers_that_pass_no_options_set_the_budget_and_tiers_by_environment(
     REMAT_BUDGET and REMAT_TIERS reach the registered backend, unless its options say otherwise."""
     seen = []
     monkeypatch.setattr(fx_compile, "backend", lambda **kw: seen.append(kw) or (lambda gm, inputs: gm))
+    monkeypatch.setattr(fx_compile, "_CONFIGURED", {})       # the configured backends, made here
     monkeypatch.setenv("REMAT_BUDGET", "free-1GiB")
     monkeypatch.setenv("REMAT_TIERS", "expensive")
     fx_compile.remat_backend(None, [], mode="max-autotune")
@@ -196,3 +197,30 @@ def test_graphs_split_by_a_graph_break_keep_back_the_optimizer_state_of_every_pa
     remat_pass.on_device(first)             # seen before: not counted twice
     assert remat_pass.budget.bytes == int(0.9 * (1000 - 96) * MiB) // (8 * MiB) * (8 * MiB)
     assert not reports and "96.00 MiB kept back" in remat_pass.unreported
+
+
+def test_the_registered_backend_keeps_back_the_state_of_every_graph_it_compiled(monkeypatch):
+    """torch calls the registered backend once per graph: graphs compiled with the same options
+    share one configured backend, so the graph after a break keeps back both graphs' optimizer
+    state (it kept back its own only) and `torch._dynamo.reset()` starts afresh."""
+    monkeypatch.setattr(fx_compile, "free_bytes", lambda device: 1000 * MiB)
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024)   # 1 and 2 MiB
+
+        def forward(self, x):
+            y = torch.relu(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(y).square().mean()
+
+    reports: list[str] = []
+    options = {"budget": "free", "report": reports.append, "strict": False}
+    torch._dynamo.reset()
+    torch.compile(Split(), backend="remat", options=options)(torch.randn(8, 512)).backward()
+    kept = [r.split(" kept back")[0].rsplit(", ", 1)[1] for r in reports if " kept back" in r]
+    assert kept == ["2.00 MiB", "6.01 MiB"], reports
+    assert fx_compile._CONFIGURED
+    torch._dynamo.reset()
+    assert not fx_compile._CONFIGURED

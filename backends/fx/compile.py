@@ -635,4 +635,30 @@ def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, o
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ConfigError(f"unknown remat option(s) {', '.join(sorted(unknown))}; options: {', '.join(OPTIONS)}")
-    return backend(**_environment_options(options), mode=mode)(gm, example_inputs)
+    options = _environment_options(options)
+    key = (mode, tuple(sorted((name, _option_key(value)) for name, value in options.items())))
+    compiler = _CONFIGURED.get(key)
+    if compiler is None:
+        compiler = _CONFIGURED[key] = backend(**options, mode=mode)
+    return compiler(gm, example_inputs)
+
+
+# The registered backend is called once per graph. Graphs compiled with the same mode and options
+# share one configured backend, as they would share a `backend(...)` object passed by hand: a
+# `free` budget then keeps back the optimizer state of every graph compiled so far (a model
+# split by graph breaks, a launcher that compiles by name), and each notice is given once.
+# `torch._dynamo.reset()` clears it (torch calls a backend's `reset`).
+_CONFIGURED: dict[tuple, Callable] = {}
+remat_backend.reset = _CONFIGURED.clear
+
+
+def _option_key(value):
+    """An option's value as a key: by value where it hashes (strings, numbers, a parsed budget, a
+    list of them), else (a RuleSet) by identity, kept alive by the configured backend that holds it."""
+    if isinstance(value, (list, tuple)):
+        value = tuple(_option_key(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
