@@ -1,9 +1,9 @@
 """The device profile a training step runs on: a GPU preset by name, or this CPU, measured once.
 
-The planner needs three numbers (engine.budget.device): sustained FLOP/s, memory bandwidth
-and the fixed cost of one kernel. GPUs are looked up by name (H100, H200, A100); a CPU is
-measured with numpy (a float32 matmul, a large copy) and torch's small-op overhead where
-torch is installed, then cached in `$XDG_CACHE_HOME/remat/` (default `~/.cache/remat/`) so
+The planner needs four numbers (engine.budget.device): sustained FLOP/s, memory bandwidth,
+the rate at which a matmul takes in an operand it is given whole, and the fixed cost of one kernel. GPUs are looked up by name (H100, H200, A100); a CPU is
+measured with numpy (a float32 matmul, a large copy), and torch's small-op overhead and its
+matmul's cost of a weight read again by slices where torch is installed, then cached in `$XDG_CACHE_HOME/remat/` (default `~/.cache/remat/`) so
 the measurement runs once per machine.
 """
 from __future__ import annotations
@@ -45,17 +45,43 @@ def measure_cpu() -> DeviceProfile:
 
         x = torch.ones(16)
         launch = _best(lambda: [torch.add(x, x) for _ in range(1000)]) / 1000
+        operand = _operand_rate(torch)
     except ImportError:
-        launch = 20e-6
+        launch, operand = 20e-6, None
     # An eager op costs about a microsecond here, but a compiled kernel starts and joins a thread
     # pool and a chunk slice is a subgraph call: 10 us is the floor the planner assumes.
-    return DeviceProfile("cpu", flops, bandwidth, max(launch, 10e-6))
+    return DeviceProfile("cpu", flops, bandwidth, max(launch, 10e-6), operand_bytes_per_s=operand)
+
+
+def _operand_rate(torch, rows: int = 1024, slices: int = 8) -> float | None:
+    """How fast torch's matmul takes in an operand it is given whole, as a chunk region's slices
+    give it the loss's weight (32 MiB): the time the loss's two products (the logits,
+    `h @ W.T`, and their gradient's, `g @ W`) take in `slices` slices of `rows / slices` rows
+    beyond their time whole, per byte of the weight read again. None where slicing costs
+    nothing measurable."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32768, 256, generator=gen)
+    h, g = torch.randn(rows, 256, generator=gen), torch.randn(rows, 32768, generator=gen)
+    # Into buffers made once: fresh ones of the whole product's size would be paged in anew
+    # (glibc maps every block over 32 MiB), a cost of its own that this is not about.
+    logits, grad = torch.empty(rows, 32768), torch.empty(rows, 256)
+    step = rows // slices
+    pairs = [(h[i:i + step], g[i:i + step], logits[i:i + step], grad[i:i + step]) for i in range(0, rows, step)]
+    whole = _best(lambda: (torch.mm(h, weight.t(), out=logits), torch.mm(g, weight, out=grad)), repeats=3)
+    sliced = _best(lambda: [(torch.mm(a, weight.t(), out=c), torch.mm(b, weight, out=d)) for a, b, c, d in pairs],
+                   repeats=3)
+    extra = sliced - whole
+    if extra <= 0:
+        return None
+    return 2 * (slices - 1) * weight.nbytes / extra
 
 
 def cpu_profile() -> DeviceProfile:
     path = cache_file()
     try:
-        return DeviceProfile(**json.loads(path.read_text()))
+        cached = json.loads(path.read_text())
+        if "operand_bytes_per_s" in cached:     # a profile cached before remat measured it: measure again
+            return DeviceProfile(**cached)
     except (OSError, ValueError, TypeError):
         pass
     profile = measure_cpu()

@@ -35,3 +35,52 @@ def test_tf32_raises_the_float32_rate_only_where_the_profile_knows_it():
     cpu = preset("cpu-default")
     assert cpu.with_tf32() is cpu
     assert cpu.seconds(1e9, 0.0, 0, half_flops=1e9) == 2 * cpu.seconds(1e9, 0.0, 0)
+
+
+def test_a_chunk_slice_reads_the_weight_again_at_the_profiles_operand_rate():
+    """Each slice of the loss's chunk reads the projection's weight whole: on a CPU its matmul packs
+    the weight at every call (146 ms for 14 more slices of a 32 MiB weight, where the launches and
+    sums came to a few ms), so a slower operand rate makes more slices dearer, by exactly the
+    weight's bytes read again."""
+    from dataclasses import replace
+
+    from backends.onnx.importer import import_model
+    from engine.apply import plan
+    from engine.budget.cost import chunk_seconds, whole_inputs
+    from engine.strategies.chunk import ChunkRegion
+    from training_graphs import build_ort_loss_head
+
+    model, _ = build_ort_loss_head(4096, 64, 8192)
+    graph = import_model(model)
+    planning = plan(graph, RULES)
+    [region] = [o for p in planning.plans for o in p.occurrences if isinstance(o, ChunkRegion)]
+    weight = next(v for v in whole_inputs(region) if v.shape == (64, 8192))
+    assert all(region.meta_of(v).dim is None for v in whole_inputs(region))
+    cpu = preset("cpu-default")
+    fast, slow = replace(cpu, operand_bytes_per_s=1e12), replace(cpu, operand_bytes_per_s=1e9)
+
+    def dearer(profile, k):
+        return chunk_seconds(region, k, RULES, graph.dim_examples, profile) - \
+            chunk_seconds(region, 2, RULES, graph.dim_examples, profile)
+
+    reread = sum(v.nbytes for v in whole_inputs(region)) * 14
+    assert reread >= 14 * weight.nbytes
+    assert abs((dearer(slow, 16) - dearer(fast, 16)) - (reread / 1e9 - reread / 1e12)) < 1e-9
+    assert cpu.seconds(0, 0, 0, reread=1e9) == cpu.seconds(0, 1e9, 0)      # unmeasured: the bandwidth
+
+
+def test_a_cpu_profile_cached_before_the_operand_rate_was_measured_is_measured_again(tmp_path, monkeypatch):
+    import json
+
+    import backends.device as device
+
+    cached = tmp_path / "cpu.json"
+    cached.write_text(json.dumps({"name": "cpu", "flops_per_s": 1e11, "bytes_per_s": 4e10, "launch_s": 1e-5,
+                                  "half_flops_per_s": None, "tf32_flops_per_s": None}))
+    monkeypatch.setattr(device, "cache_file", lambda: cached)
+    measured = preset("cpu-default").__class__("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9)
+    monkeypatch.setattr(device, "measure_cpu", lambda: measured)
+    assert device.cpu_profile() == measured
+    assert json.loads(cached.read_text())["operand_bytes_per_s"] == 8e9
+    monkeypatch.setattr(device, "measure_cpu", lambda: 1 / 0)      # now cached: not measured again
+    assert device.cpu_profile() == measured

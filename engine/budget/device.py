@@ -1,7 +1,7 @@
 """Device profiles: what turns FLOPs, bytes moved and kernel launches into seconds.
 
-A profile is a FLOP rate for float32 work, one for 16-bit work, a memory bandwidth and the
-fixed cost of one kernel. The GPU presets are the vendors' dense peak figures derated to what a
+A profile is a FLOP rate for float32 work, one for 16-bit work, a memory bandwidth, the rate at
+which a kernel takes in an operand it reads whole, and the fixed cost of one kernel. The GPU presets are the vendors' dense peak figures derated to what a
 training step sustains, and a launch cost typical of a CUDA kernel from a compiled graph; the
 CPU profile is measured on the machine once and cached (backends/device.py), since CPUs differ
 too much for a table.
@@ -26,11 +26,17 @@ class DeviceProfile:
     launch_s: float           # fixed cost of one kernel (or one op on a CPU)
     half_flops_per_s: float | None = None    # bfloat16/float16 work; None: as float32
     tf32_flops_per_s: float | None = None    # float32 matmuls where TF32 is allowed
+    # How fast a kernel takes in an operand it reads whole, a matmul's weight: a chunk region's
+    # every slice reads (a CPU's matmul also packs) it again. None: at the memory bandwidth.
+    operand_bytes_per_s: float | None = None
 
-    def seconds(self, flops: float, moved: float, kernels: float, half_flops: float = 0.0) -> float:
-        """`flops` run at the float32 rate, `half_flops` at the 16-bit one."""
+    def seconds(self, flops: float, moved: float, kernels: float, half_flops: float = 0.0,
+                reread: float = 0.0) -> float:
+        """`flops` run at the float32 rate, `half_flops` at the 16-bit one, `reread` bytes of
+        whole operands taken in again at the operand rate."""
         return (flops / self.flops_per_s + half_flops / (self.half_flops_per_s or self.flops_per_s)
-                + moved / self.bytes_per_s + kernels * self.launch_s)
+                + moved / self.bytes_per_s + reread / (self.operand_bytes_per_s or self.bytes_per_s)
+                + kernels * self.launch_s)
 
     def with_tf32(self) -> "DeviceProfile":
         """This profile where float32 matmuls may run on TF32 tensor cores."""
