@@ -243,9 +243,53 @@ def partition(joint: fx.Graph, owner: torch.nn.Module | None) -> tuple[fx.GraphM
     module = working_module(owner if owner is not None else {}, copy_graph)
     primals = sum(1 for n in joint.nodes if n.op == "placeholder" and n.name.startswith("primals"))
     own = len(next(n for n in joint.nodes if n.op == "output").args[0]) - primals
+    _joint_passes_on_bodies(module)
     _remove_noop_ops(module)
     forward, backward = min_cut_rematerialization_partition(module, None, compiler="inductor", num_fwd_outputs=own)
     return forward, backward, own
+
+
+def _joint_passes_on_bodies(module: fx.GraphModule) -> None:
+    """Run Inductor's joint-graph passes on copies of the subgraphs `module` calls (remat's chunk
+    bodies), as Inductor does after the joint passes that made them and before it partitions
+    (`_recursive_joint_graph_passes`: new subgraphs get a round of their own). Their rewrites
+    change what a body holds: on the GPT-like step (vocab 4096) a choice simulated at 169.6 MiB
+    without them and at 191.7 with them, and the compile ran at 191.0. A body several calls
+    share is rewritten once; remat's own pass is not run on it (it leaves bodies alone)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    names = sorted({n.target for n in module.graph.nodes
+                    if n.op == "get_attr" and isinstance(getattr(module, n.target, None), fx.GraphModule)})
+    if not names:
+        return
+    rewritten: dict[int, fx.GraphModule] = {}
+    with inductor_config.patch(joint_custom_pre_pass=None, joint_custom_post_pass=None):
+        for name in names:
+            body = getattr(module, name)
+            if id(body) not in rewritten:
+                rewritten[id(body)] = _joint_passes(body, joint_graph_passes)
+            setattr(module, name, rewritten[id(body)])
+
+
+def _joint_passes(body: fx.GraphModule, joint_graph_passes) -> fx.GraphModule:
+    """A copy of `body` after Inductor's joint passes, run in the fake mode of its inputs (as
+    inside a compile: a pattern's replacement is traced on them); `body` itself where they fail
+    (the estimate then is the body as remat built it)."""
+    import contextlib
+    import copy
+
+    from torch._guards import detect_fake_mode
+
+    values = [node.meta.get("val") for node in body.graph.find_nodes(op="placeholder")]
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    try:
+        copied = copy.deepcopy(body)
+        with mode if mode is not None else contextlib.nullcontext():
+            return joint_graph_passes(copied, device)
+    except Exception:       # the peak model's fidelity, never the step: the body as built
+        return body
 
 
 def _remove_noop_ops(module: fx.GraphModule) -> None:
