@@ -1,10 +1,11 @@
 """The device profile a training step runs on: a GPU preset by name, or this CPU, measured once.
 
-The planner needs four numbers (engine.budget.device): sustained FLOP/s, memory bandwidth,
-the rate at which a matmul takes in an operand it is given whole, and the fixed cost of one kernel. GPUs are looked up by name (H100, H200, A100); a CPU is
-measured with numpy (a float32 matmul, a large copy), and torch's small-op overhead and its
-matmul's cost of a weight read again by slices where torch is installed, then cached in `$XDG_CACHE_HOME/remat/` (default `~/.cache/remat/`) so
-the measurement runs once per machine.
+The planner needs four numbers (engine.budget.device): sustained FLOP/s, memory bandwidth, the
+rate at which a matmul takes in an operand it is given whole, and the fixed cost of one kernel.
+GPUs are looked up by name (H100, H200, A100); a CPU is measured with numpy (a float32 matmul, a
+large copy), and, where torch is installed, with torch's small-op overhead and its matmul's cost
+of a weight read again by slices, then cached in `$XDG_CACHE_HOME/remat/` (default
+`~/.cache/remat/`) so the measurement runs once per machine.
 """
 from __future__ import annotations
 

@@ -530,8 +530,8 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
     (0.5): a budget by layers, the fraction of the layers' stashed activations to recompute.
     `mode`: torch.compile's Inductor mode (`max-autotune`, `reduce-overhead`, ...), whose
     Inductor settings the compile runs under, as `torch.compile(mode=...)` gives them Inductor.
-    `report` receives each rewritten graph's plan table, on every compile (True: printed). A graph AOTAutograd
-    serves from its cache (keyed with RematPass.uuid: the same graph, rules, config, tiers and
+    `report` receives each rewritten graph's plan table, on every compile (True: printed). A
+    graph AOTAutograd serves from its cache (keyed with RematPass.uuid: the same graph, rules, config, tiers and
     budget compiled before) runs no joint pass and would report nothing, though its code is the
     rewritten graph's; so with `report` remat's compiles skip AOTAutograd's cache (Inductor's FX
     graph cache, looked up after the joint pass, still serves them)."""

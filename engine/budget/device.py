@@ -1,10 +1,10 @@
 """Device profiles: what turns FLOPs, bytes moved and kernel launches into seconds.
 
 A profile is a FLOP rate for float32 work, one for 16-bit work, a memory bandwidth, the rate at
-which a kernel takes in an operand it reads whole, and the fixed cost of one kernel. The GPU presets are the vendors' dense peak figures derated to what a
-training step sustains, and a launch cost typical of a CUDA kernel from a compiled graph; the
-CPU profile is measured on the machine once and cached (backends/device.py), since CPUs differ
-too much for a table.
+which a kernel takes in an operand it reads whole, and the fixed cost of one kernel. The GPU
+presets are the vendors' dense peak figures derated to what a training step sustains, and a
+launch cost typical of a CUDA kernel from a compiled graph; the CPU profile is measured on the
+machine once and cached (backends/device.py), since CPUs differ too much for a table.
 
 Float32 is the trap: PyTorch runs float32 matmuls without TF32 unless the user opts in
 (`torch.backends.cuda.matmul.allow_tf32`, `set_float32_matmul_precision("high")`), so an H100
