@@ -56,7 +56,7 @@ def onnx_sweep(args) -> None:
     rules = load_rules()
     device = profile_for("cpu")
     original = measure(path, feeds, repeats=args.repeats)
-    estimated = estimated_ort_peak(graph).peak_bytes
+    estimated = estimated_ort_peak(path).peak_bytes     # from the file, as ORT reads its shapes (bench/peak_model.py)
     print(f"ONNX Runtime, GPT-like {cfg}")
     print(f"original: measured {original.peak_mib:.1f} MiB above rest, estimated {estimated / MIB:.1f} MiB, "
           f"step {original.seconds:.3f} s")
