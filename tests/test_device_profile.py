@@ -73,12 +73,13 @@ def test_a_cpu_profile_cached_before_the_operand_rate_was_measured_is_measured_a
     import json
 
     import backends.device as device
+    from engine.budget.device import DeviceProfile
 
     cached = tmp_path / "cpu.json"
     cached.write_text(json.dumps({"name": "cpu", "flops_per_s": 1e11, "bytes_per_s": 4e10, "launch_s": 1e-5,
                                   "half_flops_per_s": None, "tf32_flops_per_s": None}))
     monkeypatch.setattr(device, "cache_file", lambda: cached)
-    measured = preset("cpu-default").__class__("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9)
+    measured = DeviceProfile("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9)
     monkeypatch.setattr(device, "measure_cpu", lambda: measured)
     assert device.cpu_profile() == measured
     assert json.loads(cached.read_text())["operand_bytes_per_s"] == 8e9

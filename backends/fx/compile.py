@@ -32,7 +32,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dsl.loader import SHIPPED_RULES, load_rules
+from dsl.loader import load_rules
 from engine.analysis import analyze
 from engine.apply import Result
 from engine.collector import collector_paused
@@ -636,11 +636,13 @@ def remat_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, o
     if unknown:
         raise ConfigError(f"unknown remat option(s) {', '.join(sorted(unknown))}; options: {', '.join(OPTIONS)}")
     options = _environment_options(options)
-    key = (mode, tuple(sorted((name, _option_key(value)) for name, value in options.items())),
-           _rule_files_stamp(options.get("rules")))
+    rules = options.pop("rules", None)
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    # Keyed by the rules' content: a rule file edited between two compiles gets a backend of its own.
+    key = (mode, ruleset.digest, tuple(sorted((name, _option_key(value)) for name, value in options.items())))
     compiler = _CONFIGURED.get(key)
     if compiler is None:
-        compiler = _CONFIGURED[key] = backend(**options, mode=mode)
+        compiler = _CONFIGURED[key] = backend(rules=ruleset, **options, mode=mode)
     return compiler(gm, example_inputs)
 
 
@@ -653,21 +655,9 @@ _CONFIGURED: dict[tuple, Callable] = {}
 remat_backend.reset = _CONFIGURED.clear
 
 
-def _rule_files_stamp(rules) -> tuple:
-    """The rule files the `rules` option reads (the shipped library's too, for `use std...`) with
-    their modification times: a rule file edited between two compiles is read again."""
-    if isinstance(rules, RuleSet):
-        return ()
-    named = [] if rules is None else [rules] if isinstance(rules, (str, Path)) else list(rules)
-    files: list[Path] = []
-    for path in map(Path, [SHIPPED_RULES, *named]):
-        files.extend(sorted(path.rglob("*.rule")) if path.is_dir() else [path])
-    return tuple((str(f), f.stat().st_mtime_ns if f.exists() else None) for f in files)
-
-
 def _option_key(value):
     """An option's value as a key: by value where it hashes (strings, numbers, a parsed budget, a
-    list of them), else (a RuleSet) by identity, kept alive by the configured backend that holds it."""
+    list of them), else by identity, kept alive by the configured backend that holds it."""
     if isinstance(value, (list, tuple)):
         value = tuple(_option_key(v) for v in value)
     try:

@@ -71,9 +71,8 @@ def whole_inputs(region: ChunkRegion) -> list[Value]:
     not sliced, not a running sum. On a CPU a matmul packs such an operand at every call
     (measured, linear + cross-entropy at vocab 32768: 16 slices of its matmuls took 146 ms more
     than 2, 28 more calls on a 32 MiB weight: 6-7 GB/s, where the memory bandwidth is 44)."""
-    reads = [phase.inputs for phase in region.phases] or [region.inputs]
-    return [v for inputs in reads for v in inputs
-            if region.meta_of(v).dim is None and not region.meta_of(v).need_sum]
+    reads = [v for phase in region.phases for v in phase.inputs] or region.inputs
+    return [v for v in reads if (meta := region.meta_of(v)).dim is None and not meta.need_sum]
 
 
 def graph_seconds(nodes: list[Node], rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:
