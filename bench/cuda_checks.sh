@@ -2,7 +2,7 @@
 # The GPU checks of the budget planner and of GPU speed (issues 13 and 14), on a lent CUDA device.
 # Each step has its own time limit and writes its log under $OUT (default /tmp/remat-cuda) as it
 # goes, so one slow configuration costs nothing else. Steps: budget, table, fit, unbudgeted, real,
-# sdpa, scale.
+# sdpa, modes, scale.
 #
 #     bash bench/cuda_checks.sh budget table      # the budget sweep, then issue 14's four configurations
 set -u
@@ -37,6 +37,11 @@ for what in "$@"; do
     sdpa)
         step sdpa 300 $PY bench/scale.py --device cuda --layers 8 --seq 1024 --d-model 1024 --heads 16 \
             --vocab 32768 --batch 8 --repeats 10 --timeout 150 --torch-budget 0.1 --attention sdpa ;;
+    modes)    # torch.compile's modes with remat: CUDA graphs (reduce-overhead), autotuned kernels
+        step reduce-overhead 300 $PY bench/torch_step.py --device cuda --repeats 20 --json --mode reduce-overhead \
+            --configs eager compile remat remat-budget-0.6
+        step max-autotune 420 $PY bench/torch_step.py --device cuda --repeats 20 --json \
+            --mode max-autotune-no-cudagraphs --configs eager compile remat-budget-0.6 ;;
     scale)
         step scale 560 $PY bench/scale.py --device cuda --layers 4 8 16 32 --seq 1024 --repeats 10 --timeout 120 ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;

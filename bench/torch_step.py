@@ -132,34 +132,40 @@ def child(name: str, args) -> dict:
             return (logits, loss) if args.return_logits else loss
 
         model.forward = forward
+    # torch.compile's mode for every compiled row; a configured remat backend takes it itself
+    mode = {"mode": args.mode} if args.mode else {}
     if name in ("compile", "hand-chunked"):
-        fn = torch.compile(model)
+        fn = torch.compile(model, **mode)
     elif name == "auto-chunker":
         import torch._inductor.config as inductor_config
 
         inductor_config.auto_chunker.enable = True
-        fn = torch.compile(model)
+        fn = torch.compile(model, **mode)
     elif name.startswith("budget-"):
         import torch._functorch.config as functorch_config
 
         functorch_config.activation_memory_budget = float(name.split("-")[1])
-        fn = torch.compile(model)
+        fn = torch.compile(model, **mode)
     elif name == "remat":
-        fn = torch.compile(model, backend="remat")
+        fn = torch.compile(model, backend="remat", **mode)
     elif name == "remat-expensive":
-        fn = torch.compile(model, backend=fx_backend.backend(tiers=["expensive"], config=args.remat_config))
+        fn = torch.compile(model, backend=fx_backend.backend(tiers=["expensive"], config=args.remat_config,
+                                                             mode=args.mode))
     elif name.startswith("remat-budget-"):
         # remat-budget-0.6 (of the estimated peak) or remat-budget-400MiB: the planner chooses.
         budget = name[len("remat-budget-"):]
         fn = torch.compile(model, backend=fx_backend.backend(
-            tiers=["expensive"], budget=budget, device="cpu" if device.type == "cpu" else str(device)))
+            tiers=["expensive"], budget=budget, device="cpu" if device.type == "cpu" else str(device),
+            mode=args.mode))
 
     def step(inputs=inputs) -> torch.Tensor:
+        if args.mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()      # CUDA graphs: a new step's buffers
         loss = fn(*inputs)
         if args.return_logits:      # nanoGPT's loop: `logits, loss = model(x, y)`, then the loss's backward
             logits, loss = loss
         loss.backward()
-        return loss.detach()
+        return loss.detach().clone()     # (a CUDA graph's output is overwritten by its next replay)
 
     def clear() -> None:
         for p in model.parameters():
@@ -283,6 +289,9 @@ def main() -> None:
     ap.add_argument("--length-range", action="store_true",
                     help="the length marked dynamic with a declared range (mark_dynamic(t, 1, min=2, "
                          "max=--seq)), the first warm-up step a quarter shorter: one graph for both")
+    ap.add_argument("--mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                    help="torch.compile's mode for every compiled configuration (remat's rows as torch hands "
+                         "a backend its mode: Inductor's settings of that mode)")
     ap.add_argument("--remat-config", help="plan string for remat-expensive (default: every type-1 plan)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=1, help="timed processes per configuration, interleaved")
@@ -369,7 +378,8 @@ def main() -> None:
           f"{', length dynamic (a shorter first batch)' if args.vary_length and not args.vary_batch else ''}"
           f"{', batch and length dynamic (a first batch of other sizes)' if args.vary_batch else ''}"
           f"{f', length declared in 2..{args.seq}' if args.length_range else ''}"
-          f"{f', dropout {args.dropout}' if args.dropout else ''}; "
+          f"{f', dropout {args.dropout}' if args.dropout else ''}"
+          f"{f', mode {args.mode}' if args.mode else ''}; "
           f"{args.device}, {args.threads} threads; peak in {unit}")
     print(f"{'configuration':22}{'rest':>8}{'peak':>10}{'/compile':>10}{'step s':>9}{'/compile':>10}"
           f"{'max rel err vs ' + reference:>22}{'est.':>9}{'est/meas':>10}")
