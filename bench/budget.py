@@ -64,7 +64,7 @@ def onnx_sweep(args) -> None:
           f"{'step s':>7} {'/orig':>6} {'rel err':>8}  plans")
     last = None
     worst, monotone = 0.0, True
-    for fraction in FRACTIONS:
+    for fraction in args.fractions:
         budget = int(fraction * original.peak_above_rest)
         try:
             rewrite = apply_rules(graph, rules, tiers=["expensive"], budget=budget, device=device)
@@ -102,9 +102,9 @@ def torch_sweep(args) -> None:
         return
     original, anchor = rows["compile"]["above"], rows["budget-0.1"]["above"]
     print(f"torch.compile peaks {original:.1f} MiB above rest; activation_memory_budget=0.1 {anchor:.1f} MiB: "
-          f"remat gets that as its budget, then {', '.join(f'{f:g}' for f in FRACTIONS)}x compile's")
+          f"remat gets that as its budget, then {', '.join(f'{f:g}' for f in args.fractions)}x compile's")
     budgets = {f"remat-budget-{anchor:.0f}MiB": anchor}
-    budgets.update({f"remat-budget-{f * original:.0f}MiB": f * original for f in FRACTIONS})
+    budgets.update({f"remat-budget-{f * original:.0f}MiB": f * original for f in args.fractions})
     configs = ["eager", "compile", "budget-0.1", *budgets]
     # Streamed, line by line: a run stopped by a time limit still shows the rows it measured.
     sweep = subprocess.Popen(step + ["--rounds", str(args.rounds), "--configs", *configs], stdout=subprocess.PIPE,
@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="also the torch path (slow: many compiles)")
     ap.add_argument("--skip-onnx", action="store_true")
     ap.add_argument("--device", default="cpu", help="where the torch path runs (cuda: peaks are max_memory_allocated)")
+    ap.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS,
+                    help="the budgets of the sweep, as fractions of the original's measured peak")
     args = ap.parse_args()
     if not args.skip_onnx:
         onnx_sweep(args)
