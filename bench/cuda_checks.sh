@@ -42,10 +42,10 @@ for what in "$@"; do
         step unbudgeted 200 $PY bench/torch_step.py --device cuda --repeats 20 --json --configs remat remat-expensive ;;
     real)     # issue 14: the model of real size
         step real 340 $PY bench/scale.py --device cuda --layers 8 --seq 1024 --d-model 1024 --heads 16 \
-            --vocab 32768 --batch 8 --repeats 5 --timeout 110 --torch-budget 0.1 ;;
+            --vocab 32768 --batch 8 --repeats 5 --timeout 110 --torch-budget 0.1 --eager ;;
     sdpa)
         step sdpa 245 $PY bench/scale.py --device cuda --layers 8 --seq 1024 --d-model 1024 --heads 16 \
-            --vocab 32768 --batch 8 --repeats 10 --timeout 80 --torch-budget 0.1 --attention sdpa ;;
+            --vocab 32768 --batch 8 --repeats 10 --timeout 80 --torch-budget 0.1 --attention sdpa --eager ;;
     modes)    # torch.compile's modes with remat: CUDA graphs (reduce-overhead), autotuned kernels
         step reduce-overhead 300 $PY bench/torch_step.py --device cuda --repeats 20 --json --mode reduce-overhead \
             --configs eager compile remat remat-budget-0.6

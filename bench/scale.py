@@ -9,6 +9,7 @@ Prints each point's figures as ratios to torch.compile's.
     python bench/scale.py --layers 4 8 16 --seq 1024    # issue 14's CPU check
     python bench/scale.py --layers 4 16 --rounds 3      # each figure the median of 3 rounds
     python bench/scale.py --device cuda --layers 4 8 16 32 --seq 512 1024 2048
+    python bench/scale.py --eager ...                   # each row's error against eager (else compile's)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,13 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_point(args, layers: int, seq: int) -> dict[str, dict]:
     """One (layers, seq) point: each configuration in its own processes, `--rounds` times with the
     configurations interleaved (a slow spell of the machine then falls on all of them alike),
-    each figure the median of its rounds. remat's budget is fixed by the first round's compile."""
+    each figure the median of its rounds. remat's budget is fixed by the first round's compile.
+    Each row's `error`: its loss and gradients against eager's (`--eager`), else compile's."""
+    out = Path(tempfile.mkdtemp(prefix="remat-scale-"))     # each configuration's loss and gradients
     common = [f"--vocab={args.vocab}", f"--batch={args.batch}", f"--layers={layers}", f"--d-model={args.d_model}",
               f"--heads={args.heads}", f"--seq={seq}", f"--repeats={args.repeats}", f"--device={args.device}",
-              f"--attention={args.attention}", "--json"]
+              f"--attention={args.attention}", f"--out={out}", "--json"]
     step = [sys.executable, str(ROOT / "bench" / "torch_step.py"), *common]
     rounds: dict[str, list[dict]] = {}
-    configs = ["compile", f"budget-{args.torch_budget}"]
+    configs = (["eager"] if args.eager else []) + ["compile", f"budget-{args.torch_budget}"]
     remat_added = False
     for _ in range(args.rounds):
         for config in configs:
@@ -44,7 +48,30 @@ def run_point(args, layers: int, seq: int) -> dict[str, dict]:
                 first = rounds.get("compile", [{}])[0]
                 if "failed" not in first and "above" in first:
                     configs.append(f"remat-budget-{args.fraction * first['above']:.0f}MiB")
-    return {name: _median(rows) for name, rows in rounds.items()}
+    merged = {name: _median(rows) for name, rows in rounds.items()}
+    _errors(merged, out, "eager" if args.eager else "compile")
+    return merged
+
+
+def _errors(rows: dict[str, dict], out: Path, reference: str) -> None:
+    """Each row's largest relative error of the loss and every gradient against `reference`'s
+    (the tensors torch_step.py saved for its last round)."""
+    import torch
+
+    from backends.fx.saved import relative_error
+
+    want = out / f"{reference}.pt"
+    if not want.is_file():
+        return
+    ref = torch.load(want)
+    for name, row in rows.items():
+        got = out / f"{name}.pt"
+        if "failed" in row or name == reference or not got.is_file():
+            continue
+        saved = torch.load(got)
+        pairs = [(saved["loss"], ref["loss"])] + list(zip(saved["grads"], ref["grads"]))
+        row["error"] = max(relative_error(a.double(), b.double()) for a, b in pairs)
+        row["reference"] = reference
 
 
 def _median(rows: list[dict]) -> dict:
@@ -87,12 +114,16 @@ def main() -> None:
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
     ap.add_argument("--fraction", type=float, default=0.7, help="remat's budget, of torch.compile's peak")
     ap.add_argument("--torch-budget", type=float, default=0.5, help="activation_memory_budget to compare with")
+    ap.add_argument("--eager", action="store_true",
+                    help="also run eager, and give each row's error against it (else against torch.compile's)")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
     print(f"GPT-like, d {args.d_model}, {args.heads} heads, {args.attention} attention, vocab {args.vocab}, "
           f"batch {args.batch}, {args.device}; "
-          f"remat at {args.fraction:g}x torch.compile's peak; peak above rest in MiB, times in s")
+          f"remat at {args.fraction:g}x torch.compile's peak; peak above rest in MiB, times in s; "
+          f"errors against {'eager' if args.eager else 'torch.compile'}")
     print(f"{'layers':>6} {'seq':>5} {'configuration':>22} {'compile s':>10} {'/compile':>9} {'step s':>8} "
-          f"{'/compile':>9} {'peak':>8} {'/compile':>9}")
+          f"{'/compile':>9} {'peak':>8} {'/compile':>9} {'rel err':>8}")
     for seq in args.seq:
         for layers in args.layers:
             rows = run_point(args, layers, seq)
@@ -104,8 +135,9 @@ def main() -> None:
                 ratio = (lambda key: f"{row[key] / base[key]:>9.3f}") if base and "failed" not in base else \
                     (lambda key: f"{'':>9}")
                 spread = row["compile_spread"]
+                error = f"{row['error']:>8.1e}" if row.get("error") is not None else f"{'-':>8}"
                 print(f"{layers:>6} {seq:>5} {name:>22} {row['compile_seconds']:>10.1f} {ratio('compile_seconds')} "
-                      f"{row['seconds']:>8.3f} {ratio('seconds')} {row['above']:>8.1f} {ratio('above')}"
+                      f"{row['seconds']:>8.3f} {ratio('seconds')} {row['above']:>8.1f} {ratio('above')} {error}"
                       + (f"   compile {spread[0]:.1f}-{spread[1]:.1f} s over {row['rounds']} rounds"
                          if row["rounds"] > 1 else ""), flush=True)
 
