@@ -242,3 +242,24 @@ def test_a_rule_file_edited_between_two_compiles_is_read_again(monkeypatch, tmp_
     rule.write_text("use std.ops\n# tuned\n")
     fx_compile.remat_backend(None, [], options=options)
     assert len(made) == 2
+
+
+def test_choose_shows_what_the_backend_would_choose_for_a_device_without_compiling(fresh_compiles, capsys):
+    """`backends.fx.choose`: the planner's choice at a budget for a named device (a GPU planned for on
+    this CPU), as the backend would make it; the same choice as the compiled backend's for the same
+    device, and a free budget, which only a compile can read, refused."""
+    from backends.fx import choose
+
+    model, inputs = _case()
+    [planned] = choose(model, inputs, "0.95", device="cpu-default")
+    printed = capsys.readouterr().out
+    assert planned.choice is not None and planned.choice.selection
+    assert all(p.grad is None for p in model.parameters())
+    _, _, reports, _, _ = _compiled_step(model, inputs, budget="0.95")
+    [table] = [r for r in reports if "Budget " in r]
+    budget_line = next(line for line in table.splitlines() if line.startswith("Budget "))
+    assert budget_line in printed and budget_line in planned.report()
+    [for_gpu] = choose(model, inputs, "0.95", device="h100", show=False)
+    assert for_gpu.choice.budget == planned.choice.budget and capsys.readouterr().out == ""
+    with pytest.raises(ConfigError, match="choose\\(\\) compiles nothing"):
+        choose(model, inputs, "free")

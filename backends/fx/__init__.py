@@ -1,7 +1,9 @@
 """The torch backend: ATen joint graphs (forward + backward) in the shared IR.
 
 `analyze(model, example_inputs)` traces one training step of `model` (which returns the
-loss) and prints the same plan table as `remat analyze` prints for ONNX graphs.
+loss) and prints the same plan table as `remat analyze` prints for ONNX graphs; `choose(model,
+example_inputs, budget, device=...)` prints what the planner would choose at a budget, for a
+device that need not be this one.
 """
 from __future__ import annotations
 
@@ -88,3 +90,41 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
         label = NODES_RUN + ("; the profiler's line: its allocations and frees" if measure else "")
         timeline_plot(panels, path, "remat: memory over one training step (torch)", label)
     return planning
+
+
+def choose(model, example_inputs: Sequence, budget, device=None, rules: str | Path | Iterable | None = None,
+           tiers: Iterable[str] = (), show: bool = True) -> list:
+    """What `backend(budget=budget, device=device)` would choose for one training step of `model`,
+    without compiling it: the planner's choice for each joint graph (one per graph break), as the
+    backend's report prints it, each a `engine.driver.Rewrite` (`.choice`: the plans and slice
+    counts, estimated peak and extra time; `.simulated_peak`). `device` is a profile's name
+    (`h100`, `h200`, `a100`, `cpu`; default: where the inputs are), so a step can be planned for a
+    GPU on a machine without one; the step itself runs once eagerly here, on the inputs' device.
+    A `free` budget is read from the device at each compile, and is refused here."""
+    from dsl.loader import load_rules
+    from engine.budget import parse_budget
+    from engine.driver import rewrite
+    from engine.errors import ConfigError
+
+    from backends.device import profile_for
+
+    from .compile import FxBuilder, _device_of
+    from .timeline import on_joint_graphs
+
+    ruleset = load_rules(rules)
+    parsed = parse_budget(budget)
+    if parsed.free:
+        raise ConfigError(f"budget {budget!r}: a free budget is what the device has free when the graph "
+                          f"compiles; choose() compiles nothing: give bytes (6GiB) or a fraction (0.7)")
+    profile = None if device is None else profile_for(device)
+
+    def planned(joint):
+        builder = FxBuilder(joint.graph, ruleset.views, strict=True)
+        return rewrite(builder, ruleset, None, tuple(tiers), strict=True, budget=parsed,
+                       device=profile or profile_for(_device_of(joint.graph)))
+
+    done = on_joint_graphs(model, tuple(example_inputs), planned)
+    if show:
+        for rewritten in done:
+            print(rewritten.report())
+    return done
