@@ -385,7 +385,8 @@ def _planner(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--budget", metavar="SIZE|FRACTION",
                        help="the planner chooses the fastest plans whose estimated peak fits: 400MiB, 1.5GiB, "
-                            "or a fraction of the original's estimated peak (0.6)")
+                            "or a fraction (0.6) of the peak ONNX Runtime is estimated to reach on the file "
+                            "as given (what `remat measure` shows)")
     group.add_argument("--ratio", metavar="R",
                        help="a budget by layers: recompute the fraction R in (0, 1] of the layers' stashed "
                             "activations (layers from module paths, or the forward's repeated blocks)")
