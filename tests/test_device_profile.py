@@ -79,9 +79,46 @@ def test_a_cpu_profile_cached_before_the_operand_rate_was_measured_is_measured_a
     cached.write_text(json.dumps({"name": "cpu", "flops_per_s": 1e11, "bytes_per_s": 4e10, "launch_s": 1e-5,
                                   "half_flops_per_s": None, "tf32_flops_per_s": None}))
     monkeypatch.setattr(device, "cache_file", lambda: cached)
+    monkeypatch.setattr(device, "busy", lambda: False)
     measured = DeviceProfile("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9)
     monkeypatch.setattr(device, "measure_cpu", lambda: measured)
     assert device.cpu_profile() == measured
     assert json.loads(cached.read_text())["operand_bytes_per_s"] == 8e9
     monkeypatch.setattr(device, "measure_cpu", lambda: 1 / 0)      # now cached: not measured again
     assert device.cpu_profile() == measured
+
+
+def test_a_cpu_profile_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    """Measured under load, the rates are low and unevenly so: the profile serves this process
+    (measured once) and is not written, and a process on an idle machine measures again and caches."""
+    import backends.device as device
+    from engine.budget.device import DeviceProfile
+
+    cached = tmp_path / "cpu.json"
+    monkeypatch.setattr(device, "cache_file", lambda: cached)
+    monkeypatch.setattr(device, "_UNCACHED", [])
+    loaded, idle = DeviceProfile("cpu", 1e11, 4e10, 7e-5, operand_bytes_per_s=6e10), \
+        DeviceProfile("cpu", 2.5e11, 4.6e10, 1e-5, operand_bytes_per_s=7e9)
+    monkeypatch.setattr(device, "busy", lambda: True)
+    calls = []
+    monkeypatch.setattr(device, "measure_cpu", lambda: calls.append(1) or loaded)
+    assert device.cpu_profile() == loaded and device.cpu_profile() == loaded
+    assert len(calls) == 1 and not cached.exists()
+    monkeypatch.setattr(device, "_UNCACHED", [])        # the next process, on an idle machine
+    monkeypatch.setattr(device, "busy", lambda: False)
+    monkeypatch.setattr(device, "measure_cpu", lambda: idle)
+    assert device.cpu_profile() == idle and cached.exists()
+    monkeypatch.setattr(device, "measure_cpu", lambda: 1 / 0)
+    assert device.cpu_profile() == idle
+
+
+def test_busy_reads_the_load_on_the_cores_this_process_may_use(monkeypatch):
+    import os
+
+    import backends.device as device
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    assert not device.busy()            # this process and a little more
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.1, 1.0, 1.0))
+    assert device.busy()                # another core's worth of work besides this process
