@@ -103,6 +103,28 @@ def test_chunk_region_keeps_the_count_of_a_mean_global(fresh_compiles, tmp_path)
         assert relative_error(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_slices_built_on_a_gpu_without_a_budget_bring_a_notice_that_says_to_give_one(
+        fresh_compiles, tmp_path, monkeypatch, device):
+    """With no budget the rules' own slice sizes, sized on a CPU, are built: on a GPU (the graph's
+    inputs there, faked here) the user is told once that a budget sizes them for the device."""
+    import backends.fx.compile as fx_compile
+
+    monkeypatch.setattr(fx_compile, "_device_of", lambda graph: device)
+    torch.manual_seed(0)
+    model = Head(16, 200, "mean")
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4))
+    _step(model, torch.compile(model, backend=remat), _inputs(64, 16, 200, 0))
+    assert remat.remat_pass.chunked == 1
+    told = [n for n in remat.remat_pass.notices if "with no budget every plan" in n]
+    if device == "cpu":
+        assert not told
+    else:
+        [notice] = told
+        assert notice.startswith("remat: 1 chunk region(s) built as ") and " slice calls on cuda:0" in notice
+        assert '"budget": "free"' in notice
+
+
 def test_shipped_rule_chunks_the_lm_head_and_the_logits_are_never_saved(fresh_compiles):
     from backends.models import GPTConfig, gpt
 

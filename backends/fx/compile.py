@@ -286,6 +286,18 @@ UNBOUNDED_BUDGET = ("remat: the budget of {budget} is planned at the sizes this 
                     "({sizes}); a longer batch needs more memory than planned. " + LARGEST)
 
 
+# Without a budget every plan the rules match is applied, chunk regions at the rules' own slice
+# sizes, which were sized on a CPU: on an H100 that ran 1.6-3.4x torch.compile's step, and a model
+# of real size (512 MiB of scores a layer) made 2,048 slice calls, whose compile had not finished
+# after 110 s. A budget lets the planner size the slices for the device.
+UNBUDGETED_GPU = ("remat: {regions} chunk region(s) built as {calls} slice calls on {device}, at the rules' "
+                  "own slice sizes: with no budget every plan the rules match is applied, and small slices "
+                  "cost a GPU launches and compile time. Give a budget and remat chooses the fastest plans "
+                  "that fit, slices sized for this device: torch.compile(model, backend=\"remat\", "
+                  "options={{\"budget\": \"free\"}}) (what the device has free), or a fraction of the "
+                  "peak (0.7), or bytes (\"20GiB\")")
+
+
 # A chunk rule's size guard is decided at the sizes the graph was traced at where Dynamo knows no
 # largest size: a dynamic graph traced short runs every longer input unchunked.
 LONGER_INPUTS = ("remat: {rules} not applied: this dynamic graph is planned at the sizes it was traced "
@@ -442,6 +454,9 @@ class RematPass(CustomGraphPass):
                                 size_sources(builder.graph))
         self.results.append(done.result)
         self.chunked += done.chunked
+        device = _device_of(builder.graph)
+        if self.budget is None and self.config is None and builder.calls.sites and device.startswith("cuda"):
+            self._notice(UNBUDGETED_GPU.format(regions=done.chunked, calls=len(builder.calls.sites), device=device))
         for message in done.not_built:
             self.chunk_failures.append(message)
             warnings.warn(f"{message.replace(': ', ' was not built: ', 1)}", stacklevel=2)
