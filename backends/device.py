@@ -130,6 +130,11 @@ def profile_for(device: str | DeviceProfile | None) -> DeviceProfile:
     if name.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():
+            from engine.errors import ConfigError
+
+            raise ConfigError(f"device {device!r}: this machine has no CUDA device; to plan for one "
+                              f"without it, name its profile: {', '.join(sorted(PRESETS))}")
         gpu = torch.cuda.get_device_name(torch.device(name)).lower()
         profile = next((p for key, p in PRESETS.items() if key in gpu), PRESETS["h100"])
         # float32 matmuls run on TF32 tensor cores only where this process allowed it.

@@ -1,6 +1,8 @@
 """Device profiles: float32 work is costed at the float32 rate, 16-bit work at the tensor cores'."""
 from __future__ import annotations
 
+import pytest
+
 from dsl.loader import load_rules
 from engine.budget import preset
 from engine.budget.cost import work
@@ -122,3 +124,13 @@ def test_busy_reads_the_load_on_the_cores_this_process_may_use(monkeypatch):
     assert not device.busy()            # this process and a little more
     monkeypatch.setattr(os, "getloadavg", lambda: (2.1, 1.0, 1.0))
     assert device.busy()                # another core's worth of work besides this process
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from backends.device import profile_for
+    from engine.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device; to plan for one without it, name its profile: a100, "):
+        profile_for("cuda")
