@@ -91,7 +91,8 @@ def cmd_check(args) -> int:
 
 def cmd_analyze(args) -> int:
     from backends.device import profile_for
-    from engine.budget import annotate_costs, choose, pareto
+    from backends.onnx.rewrite import apply_rules
+    from engine.budget import annotate_costs, pareto
     from engine.driver import plan_all
     from engine.plans import select
     from engine.report import plan_json, plan_table
@@ -100,13 +101,16 @@ def cmd_analyze(args) -> int:
     with progress(f"planning {args.model}"):
         graph = _load(args)
         budget, base = _of_the_file(args, budget)
-        planning = plan_all(lambda fold: graph, _rules(args.rules), tuple(args.tier), _forward(args))
+        rules = _rules(args.rules)
+        planning = plan_all(lambda fold: graph, rules, tuple(args.tier), _forward(args))
         device = profile_for(args.device)
         annotate_costs(planning, device)
-        choice = None
+        planned = None
         if budget is not None:
-            choice = choose(planning, graph, budget, device)
-            choice.mark(planning.plans)
+            # The choice `remat apply` makes: the planner's, checked against ONNX Runtime's simulated
+            # peak and searched again where it is over (engine.driver), not the additive model's alone.
+            planned = apply_rules(graph, rules, None, args.tier, _forward(args), budget=budget, device=device)
+            planned.choice.mark(planning.plans)
         else:
             select(planning.plans, None)
     points = None
@@ -117,16 +121,17 @@ def cmd_analyze(args) -> int:
         pareto_plot(points, _writable_file(args.pareto, "--pareto"), graph.name)
     if args.format == "json":
         data = plan_json(planning)
-        if choice is not None:
-            data["budget"] = dict(choice.to_json(), **({"of_the_file": base} if base else {}))
+        if planned is not None:
+            data["budget"] = dict(planned.choice.to_json(), simulated_peak_bytes=planned.simulated_peak,
+                                  **({"of_the_file": base} if base else {}))
         if points is not None:
             data["pareto"] = [p.to_json() for p in points]
         print(json.dumps(data, indent=2, default=str))
     else:
         print(plan_table(planning, markdown=args.format == "markdown"))
-        if choice is not None:
+        if planned is not None:
             print(f"\n{base}" if base else "")
-            print(choice.describe())
+            print(planned.budget_line())
         if points is not None:
             print(f"\nwrote {args.pareto}: {len(points)} budgets from {points[0].budget / 2**20:.1f} "
                   f"to {points[-1].budget / 2**20:.1f} MiB")

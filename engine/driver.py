@@ -118,6 +118,11 @@ class Rewrite:
     def graph(self) -> Graph:
         return self.result.graph
 
+    def budget_line(self) -> str:
+        """The planner's choice, and the peak the backend simulates for the rewrite it made."""
+        return self.choice.describe() + (f"; the rewritten graph simulates at {self.simulated_peak / 2**20:.1f} MiB"
+                                         if self.simulated_peak is not None else "")
+
     def report(self) -> str:
         parts = []
         if self.chunk_result is not None and self.chunk_result.plans:
@@ -130,9 +135,7 @@ class Rewrite:
                          f"step's peak above the original's {self.original_peak / 2**20:.1f} MiB (without them "
                          f"{self.simulated_peak / 2**20:.1f} MiB).")
         if self.choice is not None:
-            parts.append(self.choice.describe() + (f"; the rewritten graph simulates at "
-                                                   f"{self.simulated_peak / 2**20:.1f} MiB"
-                                                   if self.simulated_peak is not None else ""))
+            parts.append(self.budget_line())
         if self.failures:
             parts.append("Skipped after an internal error (the rest was applied):\n"
                          + "\n".join(f"  {f}" for f in self.failures))

@@ -223,10 +223,12 @@ def test_the_cli_plans_to_a_budget_and_shows_costs(tmp_path, capsys):
     assert main(["analyze", str(path), "--budget", "0.92", "--device", "cpu-default"]) == 0
     out = capsys.readouterr().out
     assert "Extra time (est.)" in out and "Budget " in out and " ms" in out
+    analyzed = next(line for line in out.splitlines() if line.startswith("Budget "))
     assert main(["apply", str(path), "-o", str(tmp_path / "r.onnx"), "--budget", "0.92",
                  "--device", "cpu-default"]) == 0
     out = capsys.readouterr().out
     assert "the rewritten graph simulates at" in out
+    assert analyzed in out.splitlines()         # analyze shows the choice apply makes
     # A fraction is of the peak ONNX Runtime reaches on the file as written (what `remat measure`
     # shows), not of the planner's simulation of the graph as remat would write it.
     from backends.onnx.ort_order import estimated_ort_peak
