@@ -481,6 +481,44 @@ def test_losses_written_by_hand_chunk_and_match_eager(fresh_compiles, tmp_path, 
     assert region.granule == LOSS_GRANULES[loss] and len(region.chunks) == 4
 
 
+class ZLossReturningLogits(nn.Module):
+    """PaLM's z-loss over the (batch, seq, vocab) logits, the logits returned beside the loss
+    (nanoGPT's `(logits, loss)`), the flat logits a `view` as most training code writes it."""
+
+    def __init__(self, d: int = 16, vocab: int = 300):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        logits = self.head(x)
+        z = torch.logsumexp(logits.float(), -1).pow(2).mean()
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1)) + 1e-4 * z
+
+
+def test_a_z_loss_sliced_inside_each_sequence_views_its_strided_slices(fresh_compiles, tmp_path):
+    """Two sequences in four slices: the (batch, seq, vocab) logits are sliced along the sequence,
+    inside each, and such a slice is strided; the loss's `logits.view(-1, V)` has no strides to
+    view it with (a ValueError in the body's fake propagation, the loss left unchunked and, in
+    strict mode, the compile failed). The body reshapes it instead."""
+    torch.manual_seed(0)
+    model = ZLossReturningLogits()
+    inputs = _softcap_inputs(2, 24, 16, 300)
+
+    def step(fn):
+        logits, loss = fn(*inputs)
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return logits.detach(), loss.detach(), grads
+
+    want = step(model)
+    remat = fx_backend.backend(rules=_rules(tmp_path, 4), strict=True)
+    got = step(torch.compile(model, backend=remat))
+    assert remat.remat_pass.chunked == 1
+    assert relative_error(got[0], want[0]) <= 1e-5 and relative_error(got[1], want[1]) <= 1e-5
+    assert max(relative_error(g, w) for g, w in zip(got[2], want[2])) <= 1e-4
+
+
 def test_a_distillation_term_on_the_logits_keeps_the_loss_chunk(fresh_compiles, tmp_path):
     """Knowledge distillation: `kl_div` against a frozen teacher's probabilities writes its
     `target * log(target)` with an `isnan` check, which the importer took for an op of no kind:

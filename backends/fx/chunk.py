@@ -530,6 +530,12 @@ def _build(body, inputs, input_meta, sizes, outputs, meta_by_fx, elided, piece: 
             env[fx_node] = _with_bounds(fx_node, meta_of, piece, env, sub)
         else:
             env[fx_node] = sub.node_copy(fx_node, lambda x: env[x])
+        if env[fx_node].op == "call_function" and env[fx_node].target is aten.view.default \
+                and sliced & set(fx_node.all_input_nodes):
+            # A slice of rows inside each sequence (a (batch, seq, vocab) value sliced along the
+            # sequence) is strided: a view that merges its dims, as `logits.view(-1, V)` does, has
+            # no strides to view it with. A reshape is that view where there are, else a copy.
+            env[fx_node].target = aten.reshape.default
     # A slice along the chunk dim is a view into the body's own buffer at an offset: Inductor
     # returns such a subgraph output wrong (garbage rows; torch 2.13), so it leaves as a copy, a
     # slice_copy (Inductor's remove_noop_ops drops a clone of it: same size and strides).
