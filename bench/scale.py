@@ -58,7 +58,7 @@ def _errors(rows: dict[str, dict], out: Path, reference: str) -> None:
     (the tensors torch_step.py saved for its last round)."""
     import torch
 
-    from backends.fx.saved import relative_error
+    from torch_step import saved_error
 
     want = out / f"{reference}.pt"
     if not want.is_file():
@@ -68,9 +68,7 @@ def _errors(rows: dict[str, dict], out: Path, reference: str) -> None:
         got = out / f"{name}.pt"
         if "failed" in row or name == reference or not got.is_file():
             continue
-        saved = torch.load(got)
-        pairs = [(saved["loss"], ref["loss"])] + list(zip(saved["grads"], ref["grads"]))
-        row["error"] = max(relative_error(a.double(), b.double()) for a, b in pairs)
+        row["error"] = saved_error(got, ref)
         row["reference"] = reference
 
 

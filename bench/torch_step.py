@@ -223,6 +223,18 @@ def child(name: str, args) -> dict:
             "estimate": sum(estimates) / 2**20 if estimates else None}
 
 
+def saved_error(path: Path, ref: dict) -> float:
+    """The largest relative error of the loss and every gradient a configuration saved at `path`
+    (its child process's last step) against `ref`, another's, as torch.load gives it."""
+    import torch
+
+    from backends.fx.saved import relative_error
+
+    got = torch.load(path)
+    pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
+    return max(relative_error(a, b) for a, b in pairs)
+
+
 def estimate_partitions() -> list[int]:
     """The peak model's estimate (backends.fx.peak) of each graph Inductor partitions in this
     process, taken on the forward and backward graphs the partitioner returns."""
@@ -317,7 +329,6 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from backends.fx.saved import relative_error
 
     # A fresh Inductor cache for this run: the timed process compiles (and the peak model sees the
     # partitioner's graphs there), the peak process loads what it compiled.
@@ -386,9 +397,7 @@ def main() -> None:
     for name, r in rows.items():
         err = ""
         if ref is not None and not (args.dropout and name in ("eager", "checkpoint")):
-            got = torch.load(args.out / f"{name}.pt")
-            pairs = [(got["loss"], ref["loss"])] + list(zip(got["grads"], ref["grads"]))
-            r["error"] = max(relative_error(a, b) for a, b in pairs)
+            r["error"] = saved_error(args.out / f"{name}.pt", ref)
             err = f"{r['error']:.1e}"
         ratio = f"{r['peak'] / base['peak']:.3f}" if base else ""
         tratio = f"{r['seconds'] / base['seconds']:.3f}" if base else ""

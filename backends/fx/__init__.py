@@ -103,27 +103,22 @@ def choose(model, example_inputs: Sequence, budget, device=None, rules: str | Pa
     A `free` budget is read from the device at each compile, and is refused here."""
     from dsl.loader import load_rules
     from engine.budget import parse_budget
-    from engine.driver import rewrite
     from engine.errors import ConfigError
 
     from backends.device import profile_for
 
-    from .compile import FxBuilder, _device_of
+    from .compile import FxBuilder, RematPass
     from .timeline import on_joint_graphs
 
     ruleset = load_rules(rules)
-    parsed = parse_budget(budget)
-    if parsed.free:
+    if parse_budget(budget).free:
         raise ConfigError(f"budget {budget!r}: a free budget is what the device has free when the graph "
                           f"compiles; choose() compiles nothing: give bytes (6GiB) or a fraction (0.7)")
-    profile = None if device is None else profile_for(device)
-
-    def planned(joint):
-        builder = FxBuilder(joint.graph, ruleset.views, strict=True)
-        return rewrite(builder, ruleset, None, tuple(tiers), strict=True, budget=parsed,
-                       device=profile or profile_for(_device_of(joint.graph)))
-
-    done = on_joint_graphs(model, tuple(example_inputs), planned)
+    # The backend's own planning (RematPass.plan), the device's profile resolved once.
+    remat_pass = RematPass(ruleset, tiers=tiers, strict=True, budget=budget,
+                           device=None if device is None else profile_for(device))
+    done = on_joint_graphs(model, tuple(example_inputs),
+                           lambda joint: remat_pass.plan(FxBuilder(joint.graph, ruleset.views, strict=True)))
     if show:
         for rewritten in done:
             print(rewritten.report())

@@ -426,18 +426,7 @@ class RematPass(CustomGraphPass):
                     f"{name}={size}" for name, size in sorted(unbounded.items())),
                     size=_size_name(unbounded, size_sources(graph))))
         try:
-            device = None if self.budget is None else profile_for(self.device or _device_of(graph))
-            try:
-                done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                               on_failure=self._skipped, budget=self.budget, device=device)
-            except BudgetError as err:
-                if self.strict:
-                    raise
-                # The user's step still runs: with the plans that reach the lowest peak there is.
-                resolved = f" ({self.free_resolved[-1].removeprefix('remat: ')})" if self.free_budget else ""
-                self.warn(f"remat: {err}{resolved}; compiling with the plans that reach that lowest peak")
-                done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                               on_failure=self._skipped, budget=Budget(bytes=max(err.lowest, 1)), device=device)
+            done = self.plan(builder)
             builder.commit()
         except Exception as err:
             if self.strict:
@@ -447,6 +436,22 @@ class RematPass(CustomGraphPass):
             return
         self._record(done, builder)
 
+    def plan(self, builder: FxBuilder) -> Rewrite:
+        """The rewrite of the builder's graph, on a working copy the builder commits or drops: the
+        rules, the config or the budget (planned for `device`, else where the graph's inputs are)."""
+        device = None if self.budget is None else profile_for(self.device or _device_of(builder.graph))
+        try:
+            return rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                           on_failure=self._skipped, budget=self.budget, device=device)
+        except BudgetError as err:
+            if self.strict:
+                raise
+            # The user's step still runs: with the plans that reach the lowest peak there is.
+            resolved = f" ({self.free_resolved[-1].removeprefix('remat: ')})" if self.free_budget else ""
+            self.warn(f"remat: {err}{resolved}; compiling with the plans that reach that lowest peak")
+            return rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                           on_failure=self._skipped, budget=Budget(bytes=max(err.lowest, 1)), device=device)
+
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
             self.chunk_results.append(done.chunk_result)
@@ -454,8 +459,8 @@ class RematPass(CustomGraphPass):
                                 size_sources(builder.graph))
         self.results.append(done.result)
         self.chunked += done.chunked
-        device = _device_of(builder.graph)
-        if self.budget is None and self.config is None and builder.calls.sites and device.startswith("cuda"):
+        if self.budget is None and self.config is None and builder.calls.sites \
+                and (device := _device_of(builder.graph)).startswith("cuda"):
             self._notice(UNBUDGETED_GPU.format(regions=done.chunked, calls=len(builder.calls.sites), device=device))
         for message in done.not_built:
             self.chunk_failures.append(message)
