@@ -116,8 +116,10 @@ def torch_sweep(args) -> None:
     if sweep.wait():
         print(f"bench/torch_step.py exited with {sweep.returncode}")
     rows = _step_rows("".join(lines))
+    # The planner's estimated extra time beside the measured one (the step's time less compile's):
+    # whether its cost model ranks plans as the device runs them.
     print(f"{'budget':>8} {'x compile':>10} {'measured':>9} {'meas/budget':>12} {'estimated':>10} {'est/meas':>9} "
-          f"{'step s':>7} {'/budget-0.1':>12} {'rel err':>8}")
+          f"{'step s':>7} {'/budget-0.1':>12} {'rel err':>8} {'extra ms est.':>14} {'meas.':>7}")
     worst, monotone, last = 0.0, True, None
     for name, budget in budgets.items():
         row = rows.get(name)
@@ -130,7 +132,9 @@ def torch_sweep(args) -> None:
               f"{est if est is not None else float('nan'):>10.1f} "
               f"{(est or 0) / max(row['above'], 1e-9):>9.3f} {row['seconds']:>7.3f} "
               f"{row['seconds'] / rows['budget-0.1']['seconds'] if 'budget-0.1' in rows else float('nan'):>12.3f} "
-              f"{row['error'] if row['error'] is not None else float('nan'):>8.1e}")
+              f"{row['error'] if row['error'] is not None else float('nan'):>8.1e} "
+              f"{(row.get('extra_estimate') or 0) * 1e3:>14.1f} "
+              f"{(row['seconds'] - rows['compile']['seconds']) * 1e3 if 'compile' in rows else float('nan'):>7.1f}")
         if name != next(iter(budgets)):       # the sweep proper, from 0.9x down
             worst = max(worst, ratio)
             monotone = monotone and (last is None or row["above"] <= last * 1.005)

@@ -180,7 +180,8 @@ def _fired(results, chunk_results) -> dict[str, int]:
 
 def measured_step(module, inputs, config: str, args, tiers=(), forward=contextlib.nullcontext):
     """`module` under `config` (eager; compile, plain Inductor; remat, what backend="remat"
-    registers at `tiers`): two warm-up steps, then one measured. Returns its loss, its peak above
+    registers at `tiers`, or the planner at `args.budget` where given, over the expensive tier
+    too): two warm-up steps, then one measured. Returns its loss, its peak above
     rest in MiB (VmHWM) and remat's backend (None otherwise), kept to count its plans. Each step
     draws its random numbers from STEP_SEED; `forward()` wraps each forward (autocast); the
     parameters keep the measured step's gradients; `args.stage` says where a failure happened."""
@@ -195,7 +196,8 @@ def measured_step(module, inputs, config: str, args, tiers=(), forward=contextli
     elif config == "compile":
         fn = torch.compile(module)
     else:
-        backend = fx_backend.backend(tiers=tiers)
+        budget = getattr(args, "budget", None)
+        backend = fx_backend.backend(tiers=["expensive"] if budget is not None else tiers, budget=budget)
         fn = torch.compile(module, backend=backend)
 
     def step() -> torch.Tensor:

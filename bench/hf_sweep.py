@@ -34,8 +34,12 @@ by backends.fx.importer.import_fx, as backends.fx.analyze plans), or, with no re
 rule does not match the largest forward matmul (engine.why_not). The last line: the failures
 (crashes, remat's numerics worse than compile's, the loss chunk refused where it fires in fp32).
 
+`--budget B` (0.6, 400MiB): remat's rows give the planner that budget over the expensive tier too,
+`backends.fx.backend(tiers=["expensive"], budget=B)`; the line below each row gives the planner's
+estimated extra time, and a loss chunk the planner left out is its choice, not a refusal.
+
     python bench/hf_sweep.py [--models gpt_neox mistral ...] [--precisions fp32 bf16 autocast]
-                             [--attention eager] [--batch N] [--timeout 900]
+                             [--attention eager] [--batch N] [--budget 0.6] [--timeout 900]
 """
 from __future__ import annotations
 
@@ -177,7 +181,10 @@ def torch_child(name: str, precision: str, config: str, args) -> dict:
     row = {"peak": peak}
     if backend is not None:
         row["fired"] = _fired(backend.remat_pass.results, backend.remat_pass.chunk_results)
-        if LOSS_CHUNK not in row["fired"]:
+        choices = backend.remat_pass.choices
+        if choices:     # --budget: what the planner estimated, over the step's graphs
+            row["estimated_extra_ms"] = sum(c.extra_seconds for c in choices) * 1e3
+        if LOSS_CHUNK not in row["fired"] and args.budget is None:  # with a budget, the planner's choice
             args.stage = "the loss chunk's refusal"
             for p in module.parameters():
                 p.grad = None
@@ -264,6 +271,9 @@ def main() -> None:
     ap.add_argument("--attention", choices=("eager", "sdpa"), default="eager")
     ap.add_argument("--batch", type=int, default=None,
                     help="one batch size for every precision (default: 4)")
+    ap.add_argument("--budget", default=None,
+                    help="remat's rows plan for this budget (0.6: of the estimated peak; 400MiB) over the "
+                         "expensive tier too, as backends.fx.backend(budget=...) does")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
     ap.add_argument("--out", type=Path, default=None)
@@ -323,6 +333,9 @@ def main() -> None:
                 failed.setdefault(kind, []).append(f"{name} {precision} ({', '.join(p.split(':')[0] for p in problems)})")
             if fired is not None and LOSS_CHUNK in fired and precision == "fp32":
                 fired_fp32.add(name)
+            if isinstance(remat_row, dict) and "estimated_extra_ms" in remat_row:
+                print(f"    budget {args.budget}: estimated extra time {remat_row['estimated_extra_ms']:.2f} ms",
+                      flush=True)
             if isinstance(remat_row, dict) and "refusal" in remat_row:
                 print(f"    loss chunk not applied: {remat_row['refusal']}", flush=True)
                 refused.append((name, precision))

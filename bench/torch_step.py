@@ -112,6 +112,7 @@ def child(name: str, args) -> dict:
                     ncl_loss=args.ncl_loss, return_logits=args.return_logits, dropout=args.dropout)
     model = (nanogpt(args) if args.nanogpt else gpt(cfg)).to(device)
     inputs = [t.to(device) for t in gpt(cfg).example_inputs()]
+    planned = None      # a remat-budget row's backend: the planner's estimated extra time
     if name == "checkpoint":
         for block in model.blocks:
             block.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))(
@@ -154,9 +155,9 @@ def child(name: str, args) -> dict:
     elif name.startswith("remat-budget-"):
         # remat-budget-0.6 (of the estimated peak) or remat-budget-400MiB: the planner chooses.
         budget = name[len("remat-budget-"):]
-        fn = torch.compile(model, backend=fx_backend.backend(
-            tiers=["expensive"], budget=budget, device="cpu" if device.type == "cpu" else str(device),
-            mode=args.mode))
+        planned = fx_backend.backend(tiers=["expensive"], budget=budget,
+                                     device="cpu" if device.type == "cpu" else str(device), mode=args.mode)
+        fn = torch.compile(model, backend=planned)
 
     def step(inputs=inputs) -> torch.Tensor:
         if args.mode in ("reduce-overhead", "max-autotune"):
@@ -220,7 +221,8 @@ def child(name: str, args) -> dict:
     compiling = warmup if varying else warmup[:1]
     return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
             "compile_seconds": max(0.0, sum(compiling) - len(compiling) * seconds),
-            "estimate": sum(estimates) / 2**20 if estimates else None}
+            "estimate": sum(estimates) / 2**20 if estimates else None,
+            "extra_estimate": sum(c.extra_seconds for c in planned.remat_pass.choices) if planned else None}
 
 
 def saved_error(path: Path, ref: dict) -> float:
@@ -356,7 +358,7 @@ def main() -> None:
             timed_row = json.loads(timed.stdout.strip().splitlines()[-1])
             timings[name].append(timed_row["seconds"])
             if round_ == 0:
-                estimates[name] = timed_row["estimate"], timed_row["compile_seconds"]
+                estimates[name] = timed_row["estimate"], timed_row["compile_seconds"], timed_row["extra_estimate"]
             if round_:
                 continue
             if args.device.startswith("cuda"):
@@ -374,7 +376,7 @@ def main() -> None:
             progress(name, dict(rows[name], seconds=timed_row["seconds"], compile_seconds=timed_row["compile_seconds"]))
     for name, row in rows.items():
         row["seconds"] = sorted(timings[name])[len(timings[name]) // 2]
-        row["estimate"], row["compile_seconds"] = estimates.get(name, (None, None))
+        row["estimate"], row["compile_seconds"], row["extra_estimate"] = estimates.get(name, (None, None, None))
     # With dropout, eager draws ATen's random numbers and the compiled steps Inductor's: compare
     # those with compile's, which draws the same numbers from the same seed.
     reference = "compile" if args.dropout else "eager"
@@ -413,7 +415,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": [{"name": n, "above": r["peak"] - r["rest"], "seconds": r["seconds"],
                                     "compile_seconds": r["compile_seconds"], "estimate": r["estimate"],
-                                    "error": r.get("error")}
+                                    "extra_estimate": r["extra_estimate"], "error": r.get("error")}
                                    for n, r in rows.items()]}))
 
 

@@ -67,7 +67,7 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
     from engine.plans import select
     from engine.report import plan_table
 
-    from .importer import import_fx
+    from .compile import FxBuilder
 
     ruleset = load_rules(rules)
     path = None
@@ -77,7 +77,11 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
         path = Path(timeline)
         pyplot(path, f"timeline={str(timeline)!r}")
     joint = joint_graph(model, example_inputs)
-    planning = plan_all(lambda fold: import_fx(joint, fold=fold), ruleset, tuple(tiers))
+    # Planned on the graph as the backend's pass sees it (FxBuilder.start's working copy, with
+    # Inductor's early patterns run): its config strings name the backend's plans.
+    builder = FxBuilder(joint.graph, ruleset.views, strict=True)
+    builder.start()
+    planning = plan_all(builder.current, ruleset, tuple(tiers))
     select(planning.plans, None)
     if show:
         print(plan_table(planning))

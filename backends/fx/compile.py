@@ -41,7 +41,7 @@ from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.matcher import Reason, longer_examples
 from engine.patterns import RuleSet
-from engine.budget import Budget, BudgetError, parse_budget, parse_ratio
+from engine.budget import Budget, BudgetError, Choice, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
@@ -86,6 +86,7 @@ class FxBuilder:
         self.two_phase = False
         self.replaced: dict[str, str] = {}      # fx node name -> the plan that recomputes or slices it
         self.rebuilt = False
+        self.normalized = 0                     # nodes `start` rewrote in the working copy
         self.calls = ChunkCalls()               # the invoke_subgraph calls of each chunk region
 
 
@@ -93,8 +94,8 @@ class FxBuilder:
         copy = fx.Graph()
         copy.output(copy.graph_copy(self.graph, {}))
         self.work = working_module(self.owner if self.owner is not None else {}, copy)
-        strided_copies_as_clones(self.work.graph)
-        sizes_read_from_inputs(self.work.graph)
+        # Rewritten nodes: the working copy is then no longer the user's graph with tags added.
+        self.normalized = strided_copies_as_clones(self.work.graph) + sizes_read_from_inputs(self.work.graph)
         self.two_phase = False
         self.rebuilt = False        # nodes added other than chunk calls (a replay's)
         self.replaced = {}
@@ -164,9 +165,13 @@ class FxBuilder:
         return estimate.peak_bytes or 0
 
     def commit(self) -> None:
-        """Write the working copy back into the user's graph (placeholders kept)."""
-        if not self.rebuilt and not any(n.op == "get_attr" and n.target.startswith("remat_chunk_")
-                                        for n in self.work.graph.nodes):
+        """Write the working copy back into the user's graph (placeholders kept): the graph that
+        was planned and simulated is the graph that compiles. Where only tags were added, they are
+        copied onto the same-named nodes. Where `start` rewrote nodes (a strided copy as a clone),
+        the tags alone would miss them: a region's clone tagged in the copy would leave its `copy`
+        untagged in the user's graph, and the partitioner keep what the plan recomputes."""
+        if not self.rebuilt and not self.normalized and not any(
+                n.op == "get_attr" and n.target.startswith("remat_chunk_") for n in self.work.graph.nodes):
             # Only tags changed: copy them onto the same-named nodes, leaving the graph's nodes alone.
             tags = {n.name: n.meta["recompute"] for n in self.work.graph.nodes if "recompute" in n.meta}
             for node in self.graph.nodes:
@@ -351,6 +356,7 @@ class RematPass(CustomGraphPass):
         self.strict = resolve_strict(strict)
         self.results: list[Result] = []          # recompute and compromise, per joint graph
         self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
+        self.choices: list[Choice] = []          # the planner's, per joint graph planned for a budget
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
         self.failures: list[str] = []            # internal errors, each warned once
@@ -458,6 +464,8 @@ class RematPass(CustomGraphPass):
             self._chunk_notices(done.chunk_result.planning.standing_refusals(), done.chunk_result.planning.graph,
                                 size_sources(builder.graph))
         self.results.append(done.result)
+        if done.choice is not None:
+            self.choices.append(done.choice)
         self.chunked += done.chunked
         if self.budget is None and self.config is None and builder.calls.sites \
                 and (device := _device_of(builder.graph)).startswith("cuda"):

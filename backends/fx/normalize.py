@@ -85,6 +85,29 @@ def sizes_read_from_inputs(graph: fx.Graph) -> int:
     return rewritten
 
 
+def inductor_early_patterns(graph: fx.Graph) -> int:
+    """Inductor's early joint-graph patterns, which it runs after remat's pass and before it
+    partitions: a view to the same shape, and a pair of views or of permutes that undo each
+    other, read their input instead (torch/_inductor/fx_passes/joint_graph.py); the number of
+    nodes removed. The peak model runs them on its copy before it partitions
+    (backends.fx.peak.partition), as Inductor will: without them, Falcon's choice at a budget of
+    0.7x simulated at 28.0 MiB and ran at 37.9 (the permute pairs of its attention, `k.transpose`
+    and its backward's transpose back, removed, the partitioner placed the recomputed scores in
+    the backward beside the logits). They run on the copy only: the graph remat plans keeps them,
+    so its plans are named as on the ONNX path (a weight's transpose read by the backward too is
+    no part of a recompute region)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes.joint_graph import early_patterns
+
+    if not inductor_config.pattern_matcher:
+        return 0
+    # Once, as Inductor runs them (`apply` counts the matches its handlers saw, also those they
+    # left alone: the nodes it removed are the rewrites).
+    before = len(graph.nodes)
+    early_patterns.apply(graph)
+    return before - len(graph.nodes)
+
+
 def _erase_if_unused(graph: fx.Graph, node) -> None:
     """Erase `node` and then its inputs where nothing else reads them and they are a fresh
     buffer or its size arithmetic (new_empty_strided, sym_stride, sym_size)."""
