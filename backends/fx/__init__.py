@@ -77,8 +77,8 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
         path = Path(timeline)
         pyplot(path, f"timeline={str(timeline)!r}")
     joint = joint_graph(model, example_inputs)
-    # Planned on the graph as the backend's pass sees it (FxBuilder.start's working copy, with
-    # Inductor's early patterns run): its config strings name the backend's plans.
+    # Planned on the graph as the backend's pass sees it (FxBuilder.start's working copy: strided
+    # copies as clones, sizes read from the inputs), so its config strings name the backend's plans.
     builder = FxBuilder(joint.graph, ruleset.views, strict=True)
     builder.start()
     planning = plan_all(builder.current, ruleset, tuple(tiers))
