@@ -267,6 +267,47 @@ def test_in_place_ops_on_scores_leave_clones_that_compute_the_same_joint_graph()
     assert all(torch.equal(a, b) for a, b in zip(want, got) if isinstance(a, torch.Tensor))
 
 
+def test_a_tag_on_a_node_the_builder_rewrote_reaches_the_graph_that_compiles():
+    """FxBuilder.start writes a strided copy as a clone in its working copy. Where a plan tags that
+    clone, copying the tags alone onto the user's graph by name would leave its `copy` untagged,
+    and the partitioner would keep what the plan recomputes: such a working copy is committed
+    whole."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from backends.fx.compile import FxBuilder
+
+    joints = []
+
+    def partition(joint, inputs, **kwargs):
+        joints.append(copy.deepcopy(joint))
+        return default_partition(joint, inputs, **kwargs)
+
+    def scores(q, k):
+        s = q @ k.transpose(-1, -2)
+        s.div_(8.0)
+        return s.softmax(-1).sum()
+
+    torch._dynamo.reset()
+    q, k = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(2))
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g, partition_fn=partition)
+    torch.compile(scores, backend=backend)(q, k).backward()
+    [joint] = joints
+    builder = FxBuilder(joint.graph)
+    builder.start()
+    assert builder.normalized > 0
+    clone = next(n for n in builder.work.graph.nodes if n.target is torch.ops.aten.clone.default
+                 and n.name not in {m.name for m in joint.graph.nodes})
+    clone.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    builder.commit()
+    tagged = [n for n in joint.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
+    assert [n.target for n in tagged] == [torch.ops.aten.clone.default]
+    assert torch.ops.aten.copy.default not in {n.target for n in joint.graph.nodes}
+
+
 def test_a_loss_computed_after_the_compiled_module_is_named_as_what_keeps_the_logits_whole(fresh_compiles):
     """The model compiled, the loss in eager code after it (a common training loop): the logits
     are the graph's output, whole whatever remat does, and the user hears where to put the loss."""
