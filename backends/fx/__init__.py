@@ -63,11 +63,10 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
     it (backends/fx/timeline.py); with `measure`, also as torch's profiler measures the step
     compiled by Inductor (two compiles: slow on a large model)."""
     from dsl.loader import load_rules
-    from engine.driver import plan_all
     from engine.plans import select
     from engine.report import plan_table
 
-    from .compile import FxBuilder
+    from .compile import plan_as_the_pass
 
     ruleset = load_rules(rules)
     path = None
@@ -77,11 +76,7 @@ def analyze(model, example_inputs: Sequence, rules: str | Path | Iterable | None
         path = Path(timeline)
         pyplot(path, f"timeline={str(timeline)!r}")
     joint = joint_graph(model, example_inputs)
-    # Planned on the graph as the backend's pass sees it (FxBuilder.start's working copy: strided
-    # copies as clones, sizes read from the inputs), so its config strings name the backend's plans.
-    builder = FxBuilder(joint.graph, ruleset.views, strict=True)
-    builder.start()
-    planning = plan_all(builder.current, ruleset, tuple(tiers))
+    planning = plan_as_the_pass(joint.graph, ruleset, tiers)
     select(planning.plans, None)
     if show:
         print(plan_table(planning))

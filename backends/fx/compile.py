@@ -184,6 +184,17 @@ class FxBuilder:
         _replace_body(self.graph, self.work.graph)
 
 
+def plan_as_the_pass(graph: fx.Graph, rules: RuleSet, tiers: Iterable[str] = (), strict: bool | None = None):
+    """Every plan `rules` offer on the joint graph `graph`, found on the working copy the pass
+    plans on (FxBuilder.start's: strided copies as clones, sizes read from the inputs), so that
+    their config strings name the pass's plans. `graph` is left as it is."""
+    from engine.driver import plan_all
+
+    builder = FxBuilder(graph, rules.views, strict=True)
+    builder.start()
+    return plan_all(builder.current, rules, tuple(tiers), strict=strict)
+
+
 def _replace_body(graph: fx.Graph, source: fx.Graph) -> None:
     """Make `graph` compute what `source` computes: its placeholders stay (AOTAutograd knows
     them), every other node is replaced by a copy of `source`'s."""

@@ -240,16 +240,12 @@ def remat_eager_backend(rules: RuleSet | None, tiers: Sequence[str] = (), config
         if remat_pass is None:
             return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
         if config is None:   # every plan the rules offer on this joint graph, compromises included
-            from engine.driver import plan_all
-
-            from .compile import FxBuilder
+            from .compile import plan_as_the_pass
 
             # Planned on the graph as the pass sees it (FxBuilder.start's copy, whose sizes are
             # read from the inputs): a size read of a value the backward takes from the imported
             # graph as given kept it saved, a plan the pass then could not find.
-            builder = FxBuilder(joint.graph, rules.views, strict=True)
-            builder.start()
-            planning = plan_all(builder.current, rules, tuple(tiers), strict=True)
+            planning = plan_as_the_pass(joint.graph, rules, tiers, strict=True)
             remat_pass.config = ",".join(p.config_string() for p in planning.plans) or None
         remat_pass(joint.graph)
         joint.recompile()
