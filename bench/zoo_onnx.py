@@ -77,13 +77,17 @@ def child(spec: dict, static: bool, budget: float | None = None) -> dict:
              "estimate": estimated_ort_peak(exported.model).peak_bytes,
              "measured": measure(exported.model, feeds, repeats=1).peak_above_rest}]
     rules = load_rules()
-    for label, tiers in (("default", ()), ("expensive", ("expensive",))):
-        rewrite = apply_rules(graph, rules, tiers=tiers)
+
+    def rewritten(label: str, rewrite, **extra) -> dict:
+        """A rewrite's row: run against the original, its peak estimated and measured."""
         written = export_model(rewrite.graph)
-        rows.append({"graph": label, "chunked": rewrite.chunked,
-                     "error": max_relative_error(run(written, feeds), original)[0],
-                     "estimate": estimated_ort_peak(rewrite.graph).peak_bytes,
-                     "measured": measure(written, feeds, repeats=1).peak_above_rest})
+        return {"graph": label, "chunked": rewrite.chunked,
+                "error": max_relative_error(run(written, feeds), original)[0],
+                "estimate": estimated_ort_peak(rewrite.graph).peak_bytes,
+                "measured": measure(written, feeds, repeats=1).peak_above_rest, **extra}
+
+    for label, tiers in (("default", ()), ("expensive", ("expensive",))):
+        rows.append(rewritten(label, apply_rules(graph, rules, tiers=tiers)))
     if budget is not None:
         # The planner at `budget` x the original's measured peak, over the expensive tier.
         from backends.device import profile_for
@@ -96,11 +100,7 @@ def child(spec: dict, static: bool, budget: float | None = None) -> dict:
             rows.append({"graph": f"{budget:g}x", "chunked": "-", "error": 0.0, "estimate": None,
                          "measured": 0, "budget": limit, "unreachable": err.lowest})
         else:
-            written = export_model(rewrite.graph)
-            rows.append({"graph": f"{budget:g}x", "chunked": rewrite.chunked,
-                         "error": max_relative_error(run(written, feeds), original)[0],
-                         "estimate": estimated_ort_peak(rewrite.graph).peak_bytes,
-                         "measured": measure(written, feeds, repeats=1).peak_above_rest, "budget": limit})
+            rows.append(rewritten(f"{budget:g}x", rewrite, budget=limit))
     return {"name": variant.name, "rows": rows}
 
 
