@@ -22,7 +22,8 @@ the program Inductor runs (`program`: kernels and buffers) and walks that with
   add of a matmul's product is the matmul's own output (Inductor's addmm pattern);
 - order: Inductor's scheduler fuses kernels over the same loop that touch the same elements of
   a buffer, unless they are far apart or fusing would keep two same-size buffers alive that each
-  alone would free, and runs each fused kernel after what it reads (`_schedule`), which moves a
+  alone would free (on CPU, a sum over leading dims, a bias gradient, fuses with no pointwise
+  kernel), and runs each fused kernel after what it reads (`_schedule`), which moves a
   later kernel up to an earlier one; a cat writes each input into its slice as it comes;
 - memory: a generated kernel writes over a buffer it reads last, of its size, at its own index
   (`Scheduler.decide_inplace_update`); a freed buffer goes to the next of the same dtype and
@@ -133,6 +134,22 @@ def _scatter_upon_constant(node: fx.Node) -> bool:
 
 def _is_reduction(node: fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.reduction in getattr(node.target, "tags", ())
+
+
+def _reduces_inner_dims(node: fx.Node) -> bool:
+    """Whether a reduction's reduced dims are its input's last ones (a row's sum, not a
+    column's), size-1 dims aside: Inductor's loop for it is then the rows outside and the
+    reduction inside, the loop a pointwise kernel over the input runs too."""
+    source = node.args[0] if node.args else None
+    example = source.meta.get("val") if isinstance(source, fx.Node) else None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(example, torch.Tensor) or dims is None or example.dim() == 0:
+        return True
+    rank = example.dim()
+    dims = {d % rank for d in ([dims] if isinstance(dims, int) else dims)}
+    sizes = [d for d in range(rank) if example.shape[d] != 1]
+    reduced = [d in dims for d in sizes]
+    return reduced == sorted(reduced)          # every kept dim before every reduced one
 
 
 def fused_away(graph: fx.Graph) -> set[fx.Node]:
@@ -440,7 +457,8 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
             inputs_read = _union(reads[a] for a in n.all_input_nodes)
             size = (max((_numel(v) for v in inputs_read), key=lambda d: _count(d, examples), default=0)
                     if kind == "reduction" else _numel(reads[n][0]) if reads[n] else None)
-            kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched)
+            kernel = _Kernel(n.name, n, inputs_read, reads[n], backward, kind, size, touched,
+                             apart=kind == "reduction" and _on_cpu(n) and not _reduces_inner_dims(n))
             if kind != "extern" and _writes_in_place(n) and len(reads[n]) == 1:
                 by_index = _read_at_index(n, fused, reads, step.saved_views if backward else set())
                 if by_index is not None:
@@ -479,6 +497,10 @@ class _Kernel:
     access: frozenset           # (buffer, views between) it reads or writes
     cat: Value | None = None    # the cat output a slice writes into
     overwrites: list[Value] = field(default_factory=list)
+    # A reduction over its input's leading dims (a column's sum, a bias gradient) on CPU: Inductor's
+    # C++ backend fuses it with no pointwise kernel (CppScheduling._why_fuse_nodes: the pointwise
+    # loop's vars are not the reduction's vars and reduced dims in that order).
+    apart: bool = False
 
 
 def _kind(node: fx.Node) -> str:
@@ -530,7 +552,8 @@ def _schedule(kernels: list[_Kernel], examples: dict[str, int]) -> list[_Kernel]
         ra, rb = reduced(a), reduced(b)
         return (a.backward == b.backward and a.size is not None and a.size == b.size
                 and a.kind in ("pointwise", "reduction") and b.kind in ("pointwise", "reduction")
-                and (ra is None or rb is None or ra == rb))
+                and (ra is None or rb is None or ra == rb)
+                and not ((a.apart or b.apart) and "pointwise" in (a.kind, b.kind)))
 
     users: dict[tuple, list[int]] = {}
     sizes: dict[int, int] = {}
@@ -718,6 +741,14 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict,
             strides, offset = over_kernel(x_val), x_val.storage_offset() - root_val.storage_offset()
             if root.name not in fused or _is_view(root):
                 note(reads.get(root, []), strides == wanted and offset == 0)
+                return
+            if (strides == wanted and not offset and x_val.is_contiguous() and root_val.is_contiguous()
+                    and x_val.numel() == root_val.numel()):
+                # a reshape read at the kernel's own element (Cohere's scaled logits, viewed from
+                # rows to (batch, seq) rows): the computed value's element at that linear index
+                shape = tuple(root_val.shape)
+                walk(root, tuple(range(len(shape))), shape,
+                     tuple(st for st, d in zip(make_contiguous_strides_for(shape), shape) if d > 1))
                 return
             # a value the kernel computes: its element at its own contiguous index
             own = [(st, j) for j, (st, d) in enumerate(zip(make_contiguous_strides_for(tuple(root_val.shape)),
