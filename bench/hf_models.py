@@ -267,16 +267,23 @@ def _errors(errors: dict[str, float]) -> tuple[float, float]:
 def onnx_child(model: str, exporter: str, args) -> list[dict]:
     """`remat export hf_models:MODEL --exporter EXPORTER`, `remat apply`, `remat measure --compare`,
     through the Python API those commands run: the original's row and the rewrite's."""
+    from backends.onnx.user_module import load_factory
+
+    args.stage = "export"
+    return onnx_rows(model, load_factory(f"hf_models:{model}"), exporter, args)
+
+
+def onnx_rows(model: str, step, exporter: str, args) -> list[dict]:
+    """onnx_child's rows for a `backends.onnx.user_module.UserStep` (bench/hf_onnx.py's too)."""
     from backends.onnx.exporter import check_exported, export_model
     from backends.onnx.importer import import_model
     from backends.onnx.rewrite import apply_rules
     from backends.onnx.runtime import measure
     from backends.onnx.torch_export import errors_against_torch, export_training_step, float64_error, verify
-    from backends.onnx.user_module import check_loss, load_factory
+    from backends.onnx.user_module import check_loss
     from dsl.loader import load_rules
 
     args.stage = "export"
-    step = load_factory(f"hf_models:{model}")
     check_loss(step)
     exported = export_training_step(step.module, step.inputs, ["input_ids", "labels"], exporter=exporter)
     args.stage = "the export's check"

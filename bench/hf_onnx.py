@@ -1,0 +1,102 @@
+"""transformers' causal LM architectures (bench/hf_sweep.py's 36) through remat's ONNX path.
+
+Each architecture is built as bench/hf_sweep.py builds it (from its config, random weights, small:
+vocab 4096, hidden 128, 2 layers, seq 256, batch 4, so that the logits are the loss chunk's 16 MiB;
+eager attention, dropout off) and its training step goes through what `remat export`, `remat
+apply` and `remat measure --compare` run (bench/hf_models.py's `onnx_rows`): exported to ONNX
+(`--exporter`, make-fx by default), checked against torch, rewritten with the shipped rules
+(`--tiers`, default tier by default), and both graphs run in ONNX Runtime. Each architecture runs
+in its own process with a time limit: one that fails to export, rewrite or run is one line, and
+the others still run.
+
+Columns: the loss's and the largest gradient's relative error of the rewritten graph against
+torch (a row over 1e-4 judged again in float64, as hf_models.py does), ONNX Runtime's measured peak
+above rest of the original and of the rewrite (VmHWM), their ratio, and the plans applied. The
+last line: the failures by stage, the largest error, the ratios' range, and the architectures
+where the rewrite saved less than a tenth of the original's peak.
+
+    python bench/hf_onnx.py [--models gpt_neox mistral ...] [--exporter make-fx] [--tiers expensive]
+                            [--timeout 900]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+import hf_models  # noqa: E402
+from hf_models import MARK, child_env, fired_text, run_one  # noqa: E402
+from hf_sweep import ARCHITECTURES, BATCH, build  # noqa: E402
+
+SMALL_SAVING = 0.9      # a rewrite at more than this of the original's peak saved little
+
+
+def child(args) -> None:
+    from backends.onnx.user_module import UserStep
+
+    name, exporter = args.child.split(":")
+    try:
+        args.stage = "build"
+        module, inputs = build(name, BATCH["fp32"], "eager")
+        rows = hf_models.onnx_rows(name, UserStep(f"hf_sweep:{name}", module, inputs), exporter, args)
+    except Exception as exc:  # noqa: BLE001 - the row's failure, in one line
+        stage = f"{args.stage}: " if getattr(args, "stage", None) else ""
+        print(MARK + json.dumps({"error": f"{stage}{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"}))
+        return
+    print(MARK + json.dumps({"rows": rows}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", choices=list(ARCHITECTURES), default=list(ARCHITECTURES))
+    ap.add_argument("--exporter", choices=hf_models.EXPORTERS, default="make-fx")
+    ap.add_argument("--tiers", nargs="*", default=[], help="remat's tiers (default: the default tier)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per architecture's process")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    env = child_env(args, "remat-hf-onnx-")
+    if args.child:
+        child(args)
+        return
+    print(f"Hugging Face causal LMs through ONNX Runtime (bench/hf_sweep.py's size, batch {BATCH['fp32']} fp32, "
+          f"eager attention; exporter {args.exporter}; tiers {' '.join(args.tiers) or 'default'}); errors "
+          f"against torch; peak: MiB above rest (VmHWM); {args.threads} threads", flush=True)
+    head = (f"{'model':13}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'original':>10}{'remat':>8}{'ratio':>7}"
+            "  plans applied")
+    print(head)
+    print("-" * len(head), flush=True)
+    failed: dict[str, list[str]] = {}
+    ratios: dict[str, float] = {}
+    worst = 0.0
+    for name in args.models:
+        rows = run_one(f"{name}:{args.exporter}", args, env, __file__)
+        if isinstance(rows, str):
+            stage = rows.split(":")[0] if ":" in rows else "run"
+            failed.setdefault(stage, []).append(name)
+            print(f"{name:13}FAILED: {rows}", flush=True)
+            continue
+        original, remat = (next(r for r in rows if r["path"].endswith(f"/{label}")) for label in ("original", "remat"))
+        ratio = remat["peak"] / original["peak"] if original["peak"] > 0 else None
+        if ratio is not None:
+            ratios[name] = ratio
+        f64 = remat.get("f64_err")
+        worst = max(worst, f64 if f64 is not None else max(remat["loss_err"], remat["grad_err"]))
+        errs = "".join(f"{e:>10.1e}" if e is not None else f"{'-':>10}" for e in (remat["loss_err"], remat["grad_err"], f64))
+        print(f"{name:13}{errs}{original['peak']:>10.1f}{remat['peak']:>8.1f}"
+              f"{(f'{ratio:.3f}' if ratio is not None else '-'):>7}  {fired_text(remat['fired'])}", flush=True)
+    little = [n for n, r in ratios.items() if r > SMALL_SAVING]
+    failures = "; ".join(f"{stage}: {', '.join(names)}" for stage, names in failed.items())
+    spread = f"{min(ratios.values()):.3f}-{max(ratios.values()):.3f}" if ratios else "-"
+    print(f"architectures {len(args.models)}; failed: {failures or 'none'}; "
+          f"largest error {worst:.1e}; remat / original {spread}; under {1 - SMALL_SAVING:.0%} saved: "
+          f"{', '.join(little) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
