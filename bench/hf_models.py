@@ -279,13 +279,18 @@ def onnx_rows(model: str, step, exporter: str, args) -> list[dict]:
     from backends.onnx.importer import import_model
     from backends.onnx.rewrite import apply_rules
     from backends.onnx.runtime import measure
-    from backends.onnx.torch_export import errors_against_torch, export_training_step, float64_error, verify
+    from backends.onnx.torch_export import (errors_against_torch, export_failure, export_training_step, float64_error,
+                                            verify)
     from backends.onnx.user_module import check_loss
     from dsl.loader import load_rules
+    from engine.errors import RematError
 
     args.stage = "export"
     check_loss(step)
-    exported = export_training_step(step.module, step.inputs, ["input_ids", "labels"], exporter=exporter)
+    try:
+        exported = export_training_step(step.module, step.inputs, ["input_ids", "labels"], exporter=exporter)
+    except Exception as exc:  # noqa: BLE001 - said as `remat export` says it
+        raise RematError(export_failure(exporter, exc)) from None
     args.stage = "the export's check"
     verify(exported)                # as `remat export` does: the export itself within 1e-4 of torch
     args.stage = "remat apply"

@@ -5,7 +5,8 @@ vocab 4096, hidden 128, 2 layers, seq 256, batch 4, so that the logits are the l
 eager attention, dropout off) and its training step goes through what `remat export`, `remat
 apply` and `remat measure --compare` run (bench/hf_models.py's `onnx_rows`): exported to ONNX
 (`--exporter`, make-fx by default), checked against torch, rewritten with the shipped rules
-(`--tiers`, default tier by default), and both graphs run in ONNX Runtime. Each architecture runs
+(`--tiers`, default tier by default), and both graphs run in ONNX Runtime. Mixture-of-experts
+layers run transformers' `experts_implementation="batched_mm"`, the one that exports. Each architecture runs
 in its own process with a time limit: one that fails to export, rewrite or run is one line, and
 the others still run.
 
@@ -33,6 +34,10 @@ from hf_models import MARK, child_env, fired_text, run_one  # noqa: E402
 from hf_sweep import ARCHITECTURES, BATCH, build  # noqa: E402
 
 SMALL_SAVING = 0.9      # a rewrite at more than this of the original's peak saved little
+# Mixture-of-experts layers as transformers can export them: its default experts
+# (torch._grouped_mm) have a fake kernel that demands bfloat16 on the CPU, and its eager loop
+# routes by `nonzero`, which no static graph holds.
+EXPERTS = "batched_mm"
 
 
 def child(args) -> None:
@@ -41,7 +46,7 @@ def child(args) -> None:
     name, exporter = args.child.split(":")
     try:
         args.stage = "build"
-        module, inputs = build(name, BATCH["fp32"], "eager")
+        module, inputs = build(name, BATCH["fp32"], "eager", experts=EXPERTS)
         rows = hf_models.onnx_rows(name, UserStep(f"hf_sweep:{name}", module, inputs), exporter, args)
     except Exception as exc:  # noqa: BLE001 - the row's failure, in one line
         stage = f"{args.stage}: " if getattr(args, "stage", None) else ""

@@ -100,19 +100,21 @@ def _no_dropout(cfg) -> None:
                 setattr(holder, key, type(value)(0))    # (MPT's attn_pdrop is typed int)
 
 
-def build(name: str, batch: int, attention: str, reference: bool = False):
+def build(name: str, batch: int, attention: str, reference: bool = False, experts: str | None = None):
     """`name`'s causal LM from its config, random weights (seed SEED), wrapped to return its loss,
     and its inputs (token ids, labels the same ids). `reference`: for the float64 copy, mixture of
     experts run by transformers' eager loop over the experts (its default, torch._grouped_mm, has
-    no float64 kernel); the same weights, the same routing."""
+    no float64 kernel); the same weights, the same routing. `experts`: another of transformers'
+    `experts_implementation`s (bench/hf_onnx.py exports with "batched_mm")."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(name, **{**SIZE, **ARCHITECTURES[name]})     # (the override wins)
     _no_dropout(cfg)
     torch.manual_seed(SEED)
+    experts = "eager" if reference else experts
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention,
-                                             **({"experts_implementation": "eager"} if reference else {}))
+                                             **({"experts_implementation": experts} if experts else {}))
     left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if left:
         raise RuntimeError(f"{name}: dropout left on at {left[0]} (the float64 reference could not match it)")
