@@ -220,6 +220,15 @@ def measured_step(module, inputs, config: str, args, tiers=(), forward=contextli
     return loss, (peak - rest) / 2**20, backend
 
 
+def process_arguments(ap: argparse.ArgumentParser, timeout: int, per: str = "configuration's process") -> None:
+    """The options every Hugging Face bench shares: threads, each child process's time limit, the
+    folder of its outputs, and the hidden `--child` by which the parent runs one row's process."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=timeout, help=f"seconds per {per}")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+
+
 def child_env(args, prefix: str, **extra: str) -> dict:
     """The parent's setup shared by the Hugging Face benches: remat strict and transformers offline
     and quiet (in this process and its children), `args.out` made (a fresh folder named `prefix`
@@ -380,12 +389,9 @@ def main() -> None:
     for flag in ("vocab", "d", "layers", "heads", "batch", "seq"):
         ap.add_argument(f"--{flag}", type=int, default=SIZE[flag])
     ap.add_argument("--attention", choices=("eager", "sdpa"), default=SIZE["attention"])
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
                     help="relative error over which a row is judged again in float64")
-    ap.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's process")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    process_arguments(ap, 1200)
     args = ap.parse_args()
     TOLERANCE = args.tolerance
     options = {k: getattr(args, k) for k in ("vocab", "d", "layers", "heads", "batch", "seq", "attention")}

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import hf_models  # noqa: E402
-from hf_models import MARK, child_env, fired_text, run_one  # noqa: E402
+from hf_models import MARK, child_env, fired_text, process_arguments, run_one  # noqa: E402
 from hf_sweep import ARCHITECTURES, BATCH, build  # noqa: E402
 
 SMALL_SAVING = 0.9      # a rewrite at more than this of the original's peak saved little
@@ -60,10 +60,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(ARCHITECTURES), default=list(ARCHITECTURES))
     ap.add_argument("--exporter", choices=hf_models.EXPORTERS, default="make-fx")
     ap.add_argument("--tiers", nargs="*", default=[], help="remat's tiers (default: the default tier)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per architecture's process")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    process_arguments(ap, 900, "architecture's process")
     args = ap.parse_args()
     env = child_env(args, "remat-hf-onnx-")
     if args.child:

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from hf_models import (MARK, SEED, STEP_SEED, _fired, _tokens, _wrap, child_env, fired_text,  # noqa: E402
-                       measured_step, run_one)
+                       measured_step, process_arguments, run_one)
 
 LOSS_CHUNK = "chunk_linear_cross_entropy"
 CONFIGS = ("eager", "compile", "remat")
@@ -276,10 +276,7 @@ def main() -> None:
     ap.add_argument("--budget", default=None,
                     help="remat's rows plan for this budget (0.6: of the estimated peak; 400MiB) over the "
                          "expensive tier too, as backends.fx.backend(budget=...) does")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    process_arguments(ap, 900, "process")
     args = ap.parse_args()
     env = child_env(args, "remat-hf-sweep-")
     if args.child:
