@@ -176,6 +176,10 @@ class MemoryModel:
     # The inputs a node's output may be written over where the node reads them last (a backend's
     # in-place kernels: Inductor's); by default the first input of an op in `inplace_ops`.
     overwrites: Callable[[Node], Sequence[Value]] | None = None
+    # The fused kernel a node runs in (None: its own), for `reuse_keeps_peak`: the runtime's own
+    # estimate, which that judges by, steps by kernel, consecutive nodes of one kernel at once,
+    # their outputs all made before any input is freed.
+    kernel: Callable[[Node], Hashable | None] | None = None
 
 
 class _Buffer:
@@ -254,11 +258,12 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
     held: list[int] | None = None        # the walk without reuse, plus what reuse holds so far
     ceiling: list[int] = []              # by step: the highest point of the walk without reuse in its scope
     if model.reuse_keeps_peak:
-        plain = simulate_peak(graph, order, alias_ops, replace(model, reuse_key=None, reuse_same_shape=False,
-                                                             reuse_keeps_peak=False, overwrites=None,
-                                                             inplace_ops=frozenset()),
+        steps_run, step_of = _kernel_steps(order, model.kernel)
+        plain = simulate_peak(graph, steps_run, alias_ops, replace(model, reuse_key=None, reuse_same_shape=False,
+                                                                 reuse_keeps_peak=False, overwrites=None,
+                                                                 inplace_ops=frozenset(), kernel=None),
                               dim_examples)
-        held = list(plain.curve)
+        held = [plain.curve[k] for k in step_of]
         scopes = [model.scope(node) if model.scope is not None else None for node in order]
         highest: dict[Hashable, int] = {}
         for scope, bytes_ in zip(scopes, held):
@@ -373,6 +378,33 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
     at_peak = [b.values[0] for first, last, b in spans if first <= peak_at <= last and b.size]
     return PeakEstimate(None if unknown else peak, peak_at, at_peak, curve, order,
                         hwm[-1] if hwm else (0 if model.arena else None))
+
+
+def _kernel_steps(order: list[Node], kernel: Callable[[Node], Hashable | None] | None
+                  ) -> tuple[list[Node], list[int]]:
+    """`order` with each run of consecutive nodes of one kernel as one node (all its members'
+    inputs and outputs; the first member's name and meta), and, by node of `order`, its step
+    there. The graph's nodes are not changed: the joined nodes are new and registered nowhere."""
+    steps: list[Node] = []
+    step_of: list[int] = []
+    runs: list[list[Node]] = []
+    last = None
+    for node in order:
+        key = kernel(node) if kernel is not None and not node.subgraphs else None
+        if key is not None and key == last:
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+        last = key
+        step_of.append(len(runs) - 1)
+    for run in runs:
+        if len(run) == 1:
+            steps.append(run[0])
+            continue
+        first = run[0]
+        steps.append(Node(first.op, [v for m in run for v in m.inputs], [o for m in run for o in _present_outputs(m)],
+                          name=first.name, meta={**first.meta, "unnamed_outputs": ()}))
+    return steps, step_of
 
 
 def _present_outputs(node: Node) -> list[Value]:

@@ -470,9 +470,12 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
             kernels.append(kernel)
     nodes = []
     allocated: set[int] = set()
-    for kernel in _schedule(kernels, examples):
+    for kernel, group in ((k, g) for g in _schedule(kernels, examples) for k in g):
         node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
                     plan=kernel.fx.meta.get(PLAN))
+        # Pointwise kernels fused into one (the ReLU and its backward): Inductor's own estimate of
+        # the peak, which decides what its wrapper reuses, counts their buffers at once.
+        node.meta["kernel"] = group[0].name if len(group) > 1 and all(k.kind == "pointwise" for k in group) else None
         if kernel.cat is not None:     # the first slice to run allocates the cat's output
             (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
             allocated.add(id(kernel.cat))
@@ -511,7 +514,7 @@ def _kind(node: fx.Node) -> str:
     return "scatter" if node.target in _SCATTERS else "extern"
 
 
-def _schedule(kernels: list[_Kernel], examples: dict[str, int]) -> list[_Kernel]:
+def _schedule(kernels: list[_Kernel], examples: dict[str, int]) -> list[list[_Kernel]]:
     """The order Inductor's scheduler runs `kernels` in (given in the graph's order). It fuses
     kernels over the same loop that share a buffer (Scheduler.fuse_nodes): a kernel with one that
     reads what it writes, or two that read the same buffer at most `_FUSION_DISTANCE` apart; the
@@ -640,7 +643,7 @@ def _schedule(kernels: list[_Kernel], examples: dict[str, int]) -> list[_Kernel]
             else:
                 stack.pop()
                 order.append(current)
-    return [kernels[m] for g in order for m in members[g]]
+    return [[kernels[m] for m in members[g]] for g in order]
 
 
 def _flat_nodes(args) -> list[fx.Node]:
@@ -872,6 +875,7 @@ def inductor_memory(step: Step, kernels: dict[str, fx.Node]) -> MemoryModel:
         reuse_keeps_peak=True,
         known_shape=lambda v: v.shape is not None,
         scope=lambda node: node.meta["backward"],
+        kernel=lambda node: node.meta["kernel"],
         overwrites=lambda node: node.meta["overwrites"],
         transient=lambda node, size: max(0, body_peak(node) - sum(size(o) for o in node.outputs if o is not None)),
     )
