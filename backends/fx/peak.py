@@ -698,7 +698,7 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict,
     """Each buffer the kernel computing `node` (one contiguous output, element by element) reads,
     and whether it reads it only at the element it writes, so it may write over it: followed
     through views by their strides and through the pointwise values the kernel computes inside
-    as permutations of its own dims. A permute there and its inverse further on read the same
+    as permutations of its own dims, or as contiguous reshapes read at its own element. A permute there and its inverse further on read the same
     element (the (N, C, L) loss: the logits permuted to (batch, vocab, seq) for the log-softmax,
     its gradient permuted back before the head's matmul, which Inductor writes over the logits).
     A slice_scatter at its own index (_scatters_at_its_index) reads its source at the elements it
