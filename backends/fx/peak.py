@@ -470,18 +470,20 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
             kernels.append(kernel)
     nodes = []
     allocated: set[int] = set()
-    for kernel, group in ((k, g) for g in _schedule(kernels, examples) for k in g):
-        node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
-                    plan=kernel.fx.meta.get(PLAN))
+    for group in _schedule(kernels, examples):
         # Pointwise kernels fused into one (the ReLU and its backward): Inductor's own estimate of
         # the peak, which decides what its wrapper reuses, counts their buffers at once.
-        node.meta["kernel"] = group[0].name if len(group) > 1 and all(k.kind == "pointwise" for k in group) else None
-        if kernel.cat is not None:     # the first slice to run allocates the cat's output
-            (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
-            allocated.add(id(kernel.cat))
-        node.meta["backward"] = kernel.backward
-        node.meta["overwrites"] = kernel.overwrites
-        nodes.append(node)
+        fused_kernel = group[0].name if len(group) > 1 and all(k.kind == "pointwise" for k in group) else None
+        for kernel in group:
+            node = Node(str(kernel.fx.target), list(kernel.inputs), list(kernel.outputs), name=kernel.name,
+                        plan=kernel.fx.meta.get(PLAN))
+            if kernel.cat is not None:     # the first slice to run allocates the cat's output
+                (node.inputs if id(kernel.cat) in allocated else node.outputs).append(kernel.cat)
+                allocated.add(id(kernel.cat))
+            node.meta["backward"] = kernel.backward
+            node.meta["overwrites"] = kernel.overwrites
+            node.meta["kernel"] = fused_kernel
+            nodes.append(node)
     return Graph(nodes, inputs, returned, name="inductor"), runs
 
 
@@ -698,9 +700,10 @@ def _read_at_index(node: fx.Node, fused: set[str], reads: dict,
     """Each buffer the kernel computing `node` (one contiguous output, element by element) reads,
     and whether it reads it only at the element it writes, so it may write over it: followed
     through views by their strides and through the pointwise values the kernel computes inside
-    as permutations of its own dims, or as contiguous reshapes read at its own element. A permute there and its inverse further on read the same
-    element (the (N, C, L) loss: the logits permuted to (batch, vocab, seq) for the log-softmax,
-    its gradient permuted back before the head's matmul, which Inductor writes over the logits).
+    as permutations of its own dims, or as contiguous reshapes read at its own element. A permute
+    there and its inverse further on read the same element (the (N, C, L) loss: the logits
+    permuted to (batch, vocab, seq) for the log-softmax, its gradient permuted back before the
+    head's matmul, which Inductor writes over the logits).
     A slice_scatter at its own index (_scatters_at_its_index) reads its source at the elements it
     writes first. `saved_views`: views the kernel reads as inputs of their own size (Step). None
     at symbolic sizes."""
