@@ -30,6 +30,7 @@ from .ir import Graph
 from .patterns import RuleSet
 from .plan_type import RECOMPUTE_TYPES, PlanType
 from .plans import ConfigEntry, parse_config, select
+from .shapes import format_bytes
 from .strategies.chunk import ChunkRegion
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class Rewrite:
     simulated_peak: int | None = None       # of the rewritten graph, when a budget was given or none
     original_peak: int | None = None        # of the graph as given, simulated, when no budget was given
     withheld: list[str] = field(default_factory=list)   # plans left out: with them the peak rose
+    unmet: "BudgetError | None" = None      # the budget no plans meet, where the lowest peak was settled for
 
     @property
     def graph(self) -> Graph:
@@ -176,13 +178,16 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
             strict: bool | None = None,
             on_failure: Callable[[PlanFailure], None] | None = None,
             budget: "Budget | str | float | int | None" = None,
-            device: "DeviceProfile | None" = None, never_above_original: bool = False) -> Rewrite:
+            device: "DeviceProfile | None" = None, never_above_original: bool = False,
+            settle: bool = False) -> Rewrite:
     """Apply `rules` to the builder's graph (see the module docstring). `on_failure` hears of
     each internal error that made a site be skipped; strict mode raises the first instead.
     With a `budget` the planner chooses the plans (engine.budget), not a config; the result
     is simulated again and the program tightened while it is over the budget. With neither,
     every plan is applied; `never_above_original`: but for the plans with which the backend's
-    simulation puts the peak above the graph as given (`_never_above_original`)."""
+    simulation puts the peak above the graph as given (`_never_above_original`). A budget no
+    plans meet raises BudgetError, which names the lowest peak built; with `settle`, that
+    rewrite is the result instead, with the error as its `unmet`."""
     entries = parse_config(config) if isinstance(config, str) else config
     if budget is not None and entries is not None:
         raise ConfigError("give a config (the plans by hand) or a budget (the planner chooses), not both")
@@ -202,7 +207,7 @@ def rewrite(builder: Builder, rules: RuleSet, config: str | list[ConfigEntry] | 
         if budget is None:
             builder.start()
             return _attempt(builder, rules, entries, tiers, forward_outputs, strict, excluded)
-        return _within_budget(builder, rules, budget, device, tiers, forward_outputs, strict, excluded)
+        return _within_budget(builder, rules, budget, device, tiers, forward_outputs, strict, excluded, settle)
 
     done = with_fallback(attempt, strict, failed)
     for failure in (f for r in (done.chunk_result, done.result) if r is not None for f in r.planning.failures):
@@ -220,7 +225,8 @@ GAIN_FLOOR = 20e-6     # seconds: a probe whose choice saves less than this (or 
 
 
 def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tuple[str, ...],
-                   forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site]) -> Rewrite:
+                   forward_outputs: list[str] | None, strict: bool, excluded: frozenset[Site],
+                   settle: bool = False) -> Rewrite:
     """The planner's additive model chooses; the backend's simulation (its order, its allocator)
     judges. The search is over the budget given to the model: the user's budget first, then a
     secant step by what the simulation said (down by the overshoot, then by the secant of two
@@ -296,13 +302,14 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         floor = everything()
         target, note = ratio_target(budget.ratio, original_peak(), given, analyze(given, forward_outputs),
                                     original_peak() - floor.simulated_peak)
+        target, note = budget.planned_for(target), note + _cut_note(budget)
         floor.choice.budget, floor.choice.note = target, note
         if target <= floor.simulated_peak:
             return floor
     else:
         # A fraction is of the peak the backend simulates; bytes need no simulation of the original.
-        target = budget.bytes if budget.bytes is not None else budget.limit(original_peak())
-        note = ""
+        target = budget.planned_for(budget.bytes if budget.bytes is not None else budget.limit(original_peak()))
+        note = _cut_note(budget).removeprefix("; ")
     target = max(1, target)
     if budget.bytes is not None and target >= CLEARLY_FITS * original:
         # The graph as given fits with room to spare (a free budget on a large device, most
@@ -387,13 +394,32 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
             break
         if best is not None and cheapest_over is not None and small(best.choice.extra_seconds - cheapest_over):
             break                   # no model budget below hi saves more than that: none is worth a build
+    unmet = None
     if best is None:
         best = floor or everything()
+        # Every plan at once is not always the lowest peak: recomputed values the backward holds
+        # together can put it higher than a probe's fewer plans (an MLP's GELUs and GEMMs on
+        # torch: 81.3 MiB with all of them, 65.3 with the one the search tried first).
+        lowest_probe = min((d for d in built.values() if d is not None), key=lambda d: d.simulated_peak,
+                           default=None)
+        if lowest_probe is not None and lowest_probe.simulated_peak < best.simulated_peak:
+            best = lowest_probe
         if best.simulated_peak > target:
-            raise BudgetError(target, best.simulated_peak, original_peak(), tiers)
+            unmet = BudgetError(target, best.simulated_peak, original_peak(), tiers)
+            if not settle:
+                raise unmet
     if holding is not best:         # the builder holds another probe's graph: rebuild the best one
         best = everything() if best is floor else build(best.choice, best.simulated_peak)
+    best.unmet = unmet
     return best
+
+
+def _cut_note(budget) -> str:
+    """For the report: the bytes the plan keeps below the budget, and why."""
+    if not budget.cut:
+        return ""
+    return (f"; the budget less {format_bytes(budget.cut)}: what the code compiled for this graph "
+            f"before held over its simulation")
 
 
 def _finer_slices(program: Program, site: Site, choice: Choice) -> Program | None:

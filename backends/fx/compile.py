@@ -23,6 +23,7 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.matcher import Reason, longer_examples
 from engine.patterns import RuleSet
-from engine.budget import Budget, BudgetError, Choice, parse_budget, parse_ratio
+from engine.budget import Choice, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
@@ -53,8 +54,10 @@ from backends.device import profile_for
 from .chunk import _propagate_fake, apply_chunk
 from .free_memory import FreeMemoryUnknown, free_bytes, input_device, optimizer_reserve, trainable_bytes
 from .importer import PLAN, _flat_nodes, dim_bounds, import_fx, size_sources
+from .inductor_account import InductorAccount, inductor_account
 from .modules import working_module
 from .normalize import sizes_read_from_inputs, strided_copies_as_clones
+from .replan import MAX_REPLANS, BudgetCuts, Planned, joint_digest
 from .replay import build_replay
 
 
@@ -368,6 +371,9 @@ class RematPass(CustomGraphPass):
         self.results: list[Result] = []          # recompute and compromise, per joint graph
         self.chunk_results: list[Result] = []    # the chunk plans, per joint graph
         self.choices: list[Choice] = []          # the planner's, per joint graph planned for a budget
+        self.planned: list[Planned] = []         # the same, as the compile's account checks them
+        self.cuts = BudgetCuts(self._config_key(self.budget))
+        self.replans: list[str] = []             # each graph planned again, as reported
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
         self.failures: list[str] = []            # internal errors, each warned once
@@ -443,7 +449,7 @@ class RematPass(CustomGraphPass):
                     f"{name}={size}" for name, size in sorted(unbounded.items())),
                     size=_size_name(unbounded, size_sources(graph))))
         try:
-            done = self.plan(builder)
+            done = self.plan(builder, self._graph_key(graph))
             builder.commit()
         except Exception as err:
             if self.strict:
@@ -453,21 +459,66 @@ class RematPass(CustomGraphPass):
             return
         self._record(done, builder)
 
-    def plan(self, builder: FxBuilder) -> Rewrite:
+    def plan(self, builder: FxBuilder, key: str | None = None) -> Rewrite:
         """The rewrite of the builder's graph, on a working copy the builder commits or drops: the
-        rules, the config or the budget (planned for `device`, else where the graph's inputs are)."""
+        rules, the config or the budget (planned for `device`, else where the graph's inputs are),
+        less the cut an earlier compile of the graph (`key`) found its simulation low by."""
         device = None if self.budget is None else profile_for(self.device or _device_of(builder.graph))
-        try:
-            return rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                           on_failure=self._skipped, budget=self.budget, device=device)
-        except BudgetError as err:
-            if self.strict:
-                raise
-            # The user's step still runs: with the plans that reach the lowest peak there is.
+        cut = self.cuts.get(key) if key is not None else 0
+        budget = self.budget if not cut else replace(self.budget, cut=cut)
+        # Not strict, a budget no plans meet still compiles: with the plans that reach the lowest peak.
+        done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                       on_failure=self._skipped, budget=budget, device=device, settle=not self.strict)
+        if done.unmet is not None:
             resolved = f" ({self.free_resolved[-1].removeprefix('remat: ')})" if self.free_budget else ""
-            self.warn(f"remat: {err}{resolved}; compiling with the plans that reach that lowest peak")
-            return rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                           on_failure=self._skipped, budget=Budget(bytes=max(err.lowest, 1)), device=device)
+            less = f" (the budget less {format_bytes(cut)} its compiled code held over the simulation)" if cut else ""
+            self.warn(f"remat: {done.unmet}{less}{resolved}; compiling with the plans that reach that lowest peak")
+        if key is not None and done.choice is not None and done.simulated_peak is not None:
+            self.planned.append(Planned(key, done.choice.budget + cut, cut, done.simulated_peak,
+                                        lowest=done.unmet is not None))
+        return done
+
+    def _graph_key(self, graph: fx.Graph) -> str | None:
+        """The joint graph's identity across runs, where a budget is planned for: the key of its cut."""
+        if self.budget is None or self.budget.free:
+            return None
+        try:
+            return joint_digest(graph)
+        except Exception as err:    # noqa: BLE001 - no key: planned, not checked
+            self.warn(f"remat: this graph cannot be keyed ({type(err).__name__}: {err}); its compiled code "
+                      f"is not checked against the budget")
+            return None
+
+    def check(self, planned_before: int, account: InductorAccount, last: bool) -> bool:
+        """After a compile: whether the graph it planned (if it planned one for a budget) must be
+        planned again, by Inductor's account of the code it generated (a lower bound of what the
+        step holds). Records the cut to plan with and tells the user; where no lower plan can
+        help, or this was the last try, says the code is over its budget."""
+        held = account.peak_bytes
+        if len(self.planned) <= planned_before or held is None:
+            return False
+        planned = self.planned[-1]
+        if not planned.over(held) or (planned.lowest and not planned.cut):
+            return False    # within it, or over it where the planner's warning (`unmet`) said so
+        over = (f"Inductor's code for this graph holds at least {format_bytes(held)} by its own account, over "
+                f"the {format_bytes(planned.budget)} budget, where remat's model simulated "
+                f"{format_bytes(planned.simulated)}")
+        if planned.lowest or last:
+            why = ("the plans that reach the lowest peak are compiled" if planned.lowest
+                   else f"planned again {MAX_REPLANS} times")
+            self._replanned(f"remat: {over}; {why}, and the step runs over its budget")
+            return False
+        cut = planned.next_cut(held)
+        self.cuts.record(planned.key, cut)
+        self._replanned(f"remat: {over}; planning it again for {format_bytes(planned.budget - cut)} "
+                        f"(the budget less {format_bytes(cut)}), and compiling it again")
+        return True
+
+    def _replanned(self, message: str) -> None:
+        self.replans.append(message)
+        self._notice(message)
+        if self.report is not None:
+            self.report(message)
 
     def _record(self, done: Rewrite, builder: FxBuilder) -> None:
         if done.chunk_result is not None:
@@ -517,9 +568,14 @@ class RematPass(CustomGraphPass):
         if longer:
             self._notice(_longer_notice(longer, graph, sources))
 
+    def _config_key(self, budget) -> str:
+        return (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
+                f"{budget}|{self.device}")
+
     def uuid(self) -> str:
-        key = (f"remat-pass|{_code_digest()}|{self.rules.digest}|{self.config}|{','.join(self.tiers)}|"
-               f"{self.budget}|{self.device}")
+        """The pass's part of the cache key: remat's code, the rules and options, and the budget
+        cuts found for this configuration (a graph planned again is not served as first compiled)."""
+        key = self._config_key(self.budget) + (f"|cuts {self.cuts.digest()}" if self.budget is not None else "")
         return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -598,14 +654,25 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
         # puts the user's setting back afterwards. A one-phase region (the loss) keeps them: its
         # backward only scales the weight gradient, in place when the buffer is donated (measured:
         # 0.3-0.5 MiB off linear + cross-entropy's peak at 32 slices).
-        reported = {} if remat_pass.report is None else {"enable_autograd_cache": False}
+        functorch_options = {} if remat_pass.report is None else {"enable_autograd_cache": False}
+        if remat_pass.budget is not None and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            # The backward compiled now, not at its first run: its code is what Inductor's
+            # account of the step checks against the budget (RematPass.check).
+            functorch_options["force_non_lazy_backward_lowering"] = True
         if remat_pass.free_budget is not None:
             remat_pass.on_device(example_inputs)
         try:
-            with inductor_config.patch(inductor_options), \
-                    inductor_config.patch(joint_custom_pre_pass=remat_pass), \
-                    functorch_config.patch(donated_buffer=functorch_config.donated_buffer, **reported):
-                return compile_fx(gm, example_inputs)
+            for attempt in range(MAX_REPLANS + 1):
+                planned_before = len(remat_pass.planned)
+                with inductor_config.patch(inductor_options), \
+                        inductor_config.patch(joint_custom_pre_pass=remat_pass), \
+                        functorch_config.patch(donated_buffer=functorch_config.donated_buffer, **functorch_options), \
+                        inductor_account() as account:
+                    compiled = compile_fx(gm, example_inputs)
+                # Inductor's account of its code over the budget: planned again, less what it held over.
+                if not remat_pass.check(planned_before, account, last=attempt == MAX_REPLANS):
+                    return compiled
+            return compiled
         except RestartAnalysis:
             # Dynamo's signal to trace the frame again (a float it will now specialize,
             # TensorifyScalarRestartAnalysis): not a failure. Caught as one, the fallback below

@@ -36,6 +36,9 @@ class Budget:
     ratio: float | None = None      # of the layers' stashed activations to recompute (engine.budget.layers)
     free: bool = False              # the device's free memory less `reserve`, resolved by on_device
     reserve: int | None = None      # of a free budget: bytes kept back (None: the backend's default)
+    # Bytes the planner keeps below the limit: what a backend found its simulation of this graph
+    # low by, once it compiled it (backends.fx.compile: Inductor's account of its code).
+    cut: int = 0
 
     def limit(self, original_peak: int) -> int:
         """Bytes, for a size or a fraction (a ratio needs the layers: engine.budget.layers.ratio_target;
@@ -66,6 +69,10 @@ class Budget:
         if self.free:
             return "free" if self.reserve is None else f"free-{format_bytes(self.reserve).replace(' ', '')}"
         return f"ratio {self.ratio:g} of the layers' activations"
+
+    def planned_for(self, limit: int) -> int:
+        """The bytes the planner plans for, under a resolved `limit`: less the cut."""
+        return max(1, limit - self.cut)
 
 
 def parse_ratio(value: str | float) -> Budget:
