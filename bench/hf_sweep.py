@@ -186,6 +186,7 @@ def torch_child(name: str, precision: str, config: str, args) -> dict:
         choices = backend.remat_pass.choices
         if choices:     # --budget: what the planner estimated, over the step's graphs
             row["estimated_extra_ms"] = sum(c.extra_seconds for c in choices) * 1e3
+            row["replans"] = list(backend.remat_pass.replans)      # Inductor's code over the budget
         if LOSS_CHUNK not in row["fired"] and args.budget is None:  # with a budget, the planner's choice
             args.stage = "the loss chunk's refusal"
             for p in module.parameters():
@@ -335,6 +336,8 @@ def main() -> None:
             if isinstance(remat_row, dict) and "estimated_extra_ms" in remat_row:
                 print(f"    budget {args.budget}: estimated extra time {remat_row['estimated_extra_ms']:.2f} ms",
                       flush=True)
+                for replan in remat_row.get("replans", []):
+                    print(f"    {replan}", flush=True)
             if isinstance(remat_row, dict) and "refusal" in remat_row:
                 print(f"    loss chunk not applied: {remat_row['refusal']}", flush=True)
                 refused.append((name, precision))
