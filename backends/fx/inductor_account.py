@@ -145,7 +145,23 @@ def graph_account(scheduler, graph) -> GraphAccount:
             info.size_alloc = 0         # the input's storage: freed when this buffer is
         if name in overwritten:
             info.size_free = 0
-    peak, curve = memory.peak_memory_from_buf_info_list(infos, len(nodes))
-    step = curve.index(peak) if peak in curve else 0
+    peak, step = _peak(infos, len(nodes))
     at = nodes[step].get_name() if step < len(nodes) else "the graph's end"
-    return GraphAccount(int(peak), at)
+    return GraphAccount(peak, at)
+
+
+def _peak(infos, steps: int) -> tuple[int, int]:
+    """The most bytes held at once over the buffers' spans, and the step it is held at. Each is
+    allocated at its start step and freed after its end step; a graph output (end -1) is kept.
+    (As `memory.peak_memory_from_buf_info_list` of newer torch does; older ones lack it.)"""
+    delta = [0] * (steps + 1)
+    for info in infos:
+        delta[info.start_step] += info.size_alloc
+        if info.end_step != -1:
+            delta[info.end_step + 1] -= info.size_free
+    held = peak = at = 0
+    for step, change in enumerate(delta):
+        held += change
+        if held > peak:
+            peak, at = held, step
+    return int(peak), at
