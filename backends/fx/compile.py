@@ -11,6 +11,11 @@ whole joint graph, and the IR's clones would be merged back by its own CSE anywa
 pass's `uuid` hashes the rules' content, the config and the tiers, so Inductor's caches
 never serve a graph compiled with other rules.
 
+With a budget, each compile is checked against Inductor's own account of the code it
+generated (backends.fx.inductor_account): a graph whose code holds more than the budget is
+planned again for less, up to twice (backends.fx.replan), so the budget is kept where remat's
+simulation of Inductor is low.
+
 Nothing remat does may kill the user's training step. The pass works on a copy of the
 joint graph and writes it back only when the whole rewrite succeeded; an internal error at
 one site drops that site (engine.failures) and a failure it cannot place compiles the graph
