@@ -30,6 +30,18 @@ def test_the_next_cut_is_what_the_simulation_missed_or_what_the_last_cut_left_ov
     assert Planned("g", 100 * MiB, 20 * MiB, 95 * MiB, False).next_cut(110 * MiB) == 30 * MiB
 
 
+def test_a_cut_no_plans_meet_is_said_as_the_budget_less_the_cut():
+    from backends.fx.compile import RematPass
+    from engine.budget import BudgetError
+
+    err = BudgetError(1187 * MiB, 1415 * MiB, 2173 * MiB, ("expensive",))
+    assert RematPass._cut_error(err, 0) is err
+    said = RematPass._cut_error(err, 334 * MiB)
+    assert str(said).startswith("a peak of 1187.0 MiB (the 1.49 GiB budget less 334.00 MiB, what the code "
+                                "Inductor generated for this graph held over remat's simulation of it) cannot")
+    assert (said.budget, said.lowest, said.original) == (err.budget, err.lowest, err.original)
+
+
 def test_cuts_are_kept_beside_inductors_caches_for_each_configuration(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     cuts = BudgetCuts("config A")

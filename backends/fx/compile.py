@@ -47,7 +47,7 @@ from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.matcher import Reason, longer_examples
 from engine.patterns import RuleSet
-from engine.budget import Choice, parse_budget, parse_ratio
+from engine.budget import BudgetError, Choice, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
@@ -472,16 +472,28 @@ class RematPass(CustomGraphPass):
         cut = self.cuts.get(key) if key is not None else 0
         budget = self.budget if not cut else replace(self.budget, cut=cut)
         # Not strict, a budget no plans meet still compiles: with the plans that reach the lowest peak.
-        done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
-                       on_failure=self._skipped, budget=budget, device=device, settle=not self.strict)
+        try:
+            done = rewrite(builder, self.rules, self.config, self.tiers, strict=self.strict,
+                           on_failure=self._skipped, budget=budget, device=device, settle=not self.strict)
+        except BudgetError as err:
+            raise self._cut_error(err, cut) from None
         if done.unmet is not None:
             resolved = f" ({self.free_resolved[-1].removeprefix('remat: ')})" if self.free_budget else ""
-            less = f" (the budget less {format_bytes(cut)} its compiled code held over the simulation)" if cut else ""
-            self.warn(f"remat: {done.unmet}{less}{resolved}; compiling with the plans that reach that lowest peak")
+            self.warn(f"remat: {self._cut_error(done.unmet, cut)}{resolved}; compiling with the plans that reach "
+                      f"that lowest peak")
         if key is not None and done.choice is not None and done.simulated_peak is not None:
             self.planned.append(Planned(key, done.choice.budget + cut, cut, done.simulated_peak,
                                         lowest=done.unmet is not None))
         return done
+
+    @staticmethod
+    def _cut_error(err: BudgetError, cut: int) -> BudgetError:
+        """The planner's error, saying what the peak it asked for is where a cut lowered it."""
+        if not cut:
+            return err
+        return BudgetError(err.budget, err.lowest, err.original, err.tiers, why=(
+            f"the {format_bytes(err.budget + cut)} budget less {format_bytes(cut)}, what the code Inductor "
+            f"generated for this graph held over remat's simulation of it"))
 
     def _graph_key(self, graph: fx.Graph) -> str | None:
         """The joint graph's identity across runs, where a budget is planned for: the key of its cut."""

@@ -38,10 +38,12 @@ SLICE_MENU = (2, 4, 8, 16, 32, 64)
 class BudgetError(RematError):
     """The budget cannot be met by any set of plans; names the lowest peak they reach."""
 
-    def __init__(self, budget: int, lowest: int, original: int, tiers: tuple[str, ...] = ()):
-        self.budget, self.lowest, self.original = budget, lowest, original
+    def __init__(self, budget: int, lowest: int, original: int, tiers: tuple[str, ...] = (), why: str = ""):
+        """`why`: what the peak asked for is, where it is not the budget as given."""
+        self.budget, self.lowest, self.original, self.tiers = budget, lowest, original, tuple(tiers)
         tier = "" if "expensive" in tiers else "enable a tier (--tier expensive), "
-        super().__init__(f"a peak of {budget / 2**20:.1f} MiB cannot be reached: the lowest estimated peak "
+        why = f" ({why})" if why else ""
+        super().__init__(f"a peak of {budget / 2**20:.1f} MiB{why} cannot be reached: the lowest estimated peak "
                          f"the rules reach is {lowest / 2**20:.1f} MiB ({lowest / max(original, 1):.2f}x the "
                          f"original's {original / 2**20:.1f} MiB); raise the budget, {tier}or add rules")
 
