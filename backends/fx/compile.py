@@ -355,6 +355,11 @@ def _reporter(report) -> Callable[[str], None] | None:
     return report
 
 
+class SamePlan(Exception):
+    """A graph planned again (its code over the budget) came to the plans compiled already, those
+    of the lowest peak: its compile is stopped, and the code compiled before is kept."""
+
+
 class RematPass(CustomGraphPass):
     def __init__(self, rules: RuleSet, config: str | None = None, tiers: Iterable[str] = (),
                  report: Callable[[str], None] | bool | None = None, strict: bool | None = None,
@@ -379,6 +384,7 @@ class RematPass(CustomGraphPass):
         self.planned: list[Planned] = []         # the same, as the compile's account checks them
         self.cuts = BudgetCuts(self._config_key(self.budget))
         self.replans: list[str] = []             # each graph planned again, as reported
+        self.compiled_plans: dict[str, frozenset] = {}   # by graph key: the selection last planned
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
         self.failures: list[str] = []            # internal errors, each warned once
@@ -456,6 +462,8 @@ class RematPass(CustomGraphPass):
         try:
             done = self.plan(builder, self._graph_key(graph))
             builder.commit()
+        except SamePlan:
+            raise       # to compile_with_remat, which keeps the code it compiled for this plan
         except Exception as err:
             if self.strict:
                 raise
@@ -482,6 +490,11 @@ class RematPass(CustomGraphPass):
             self.warn(f"remat: {self._cut_error(done.unmet, cut)}{resolved}; compiling with the plans that reach "
                       f"that lowest peak")
         if key is not None and done.choice is not None and done.simulated_peak is not None:
+            selection = frozenset(done.choice.selection.items())
+            if cut and done.unmet is not None and self.compiled_plans.get(key) == selection:
+                # Planned again after its code held over the budget, to the plans compiled already.
+                raise SamePlan(key)
+            self.compiled_plans[key] = selection
             self.planned.append(Planned(key, done.choice.budget + cut, cut, done.simulated_peak,
                                         lowest=done.unmet is not None))
         return done
@@ -528,8 +541,15 @@ class RematPass(CustomGraphPass):
         cut = planned.next_cut(held)
         self.cuts.record(planned.key, cut)
         self._replanned(f"remat: {over}; planning it again for {format_bytes(planned.budget - cut)} "
-                        f"(the budget less {format_bytes(cut)}), and compiling it again")
+                        f"(the budget less {format_bytes(cut)})")
         return True
+
+    def same_plan(self) -> None:
+        """Say that the graph planned again is compiled with the plans it had: those of the lowest peak."""
+        planned = self.planned[-1]
+        self._replanned(f"remat: planned again for the budget less {format_bytes(self.cuts.get(planned.key))}, "
+                        f"this graph comes to the plans it was compiled with, those of the lowest peak the rules "
+                        f"reach: Inductor's code for them is kept, and the step runs over its budget")
 
     def _replanned(self, message: str) -> None:
         self.replans.append(message)
@@ -681,11 +701,16 @@ def backend(rules: RuleSet | str | Path | Iterable | None = None, config: str | 
         try:
             for attempt in range(MAX_REPLANS + 1):
                 planned_before = len(remat_pass.planned)
-                with inductor_config.patch(inductor_options), \
-                        inductor_config.patch(joint_custom_pre_pass=remat_pass), \
-                        functorch_config.patch(donated_buffer=functorch_config.donated_buffer, **functorch_options), \
-                        inductor_account() as account:
-                    compiled = compile_fx(gm, example_inputs)
+                try:
+                    with inductor_config.patch(inductor_options), \
+                            inductor_config.patch(joint_custom_pre_pass=remat_pass), \
+                            functorch_config.patch(donated_buffer=functorch_config.donated_buffer,
+                                                   **functorch_options), \
+                            inductor_account() as account:
+                        compiled = compile_fx(gm, example_inputs)
+                except SamePlan:
+                    remat_pass.same_plan()
+                    return compiled
                 # Inductor's account of its code over the budget: planned again, less what it held over.
                 if not remat_pass.check(planned_before, account, last=attempt == MAX_REPLANS):
                     return compiled
