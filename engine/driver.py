@@ -400,8 +400,7 @@ def _within_budget(builder: Builder, rules: RuleSet, budget, device, tiers: tupl
         # Every plan at once is not always the lowest peak: recomputed values the backward holds
         # together can put it higher than a probe's fewer plans (an MLP's GELUs and GEMMs on
         # torch: 81.3 MiB with all of them, 65.3 with the one the search tried first).
-        lowest_probe = min((d for d in built.values() if d is not None), key=lambda d: d.simulated_peak,
-                           default=None)
+        lowest_probe = min(built.values(), key=lambda d: d.simulated_peak, default=None)
         if lowest_probe is not None and lowest_probe.simulated_peak < best.simulated_peak:
             best = lowest_probe
         if best.simulated_peak > target:

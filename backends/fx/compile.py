@@ -384,7 +384,6 @@ class RematPass(CustomGraphPass):
         self.planned: list[Planned] = []         # the same, as the compile's account checks them
         self.cuts = BudgetCuts(self._config_key(self.budget))
         self.replans: list[str] = []             # each graph planned again, as reported
-        self.compiled_plans: dict[str, frozenset] = {}   # by graph key: the selection last planned
         self.chunked = 0                         # chunk regions built
         self.chunk_failures: list[str] = []      # chunk regions planned but not buildable
         self.failures: list[str] = []            # internal errors, each warned once
@@ -491,12 +490,12 @@ class RematPass(CustomGraphPass):
                       f"that lowest peak")
         if key is not None and done.choice is not None and done.simulated_peak is not None:
             selection = frozenset(done.choice.selection.items())
-            if cut and done.unmet is not None and self.compiled_plans.get(key) == selection:
+            before = next((p for p in reversed(self.planned) if p.key == key), None)
+            if cut and done.unmet is not None and before is not None and before.selection == selection:
                 # Planned again after its code held over the budget, to the plans compiled already.
                 raise SamePlan(key)
-            self.compiled_plans[key] = selection
             self.planned.append(Planned(key, done.choice.budget + cut, cut, done.simulated_peak,
-                                        lowest=done.unmet is not None))
+                                        lowest=done.unmet is not None, selection=selection))
         return done
 
     @staticmethod

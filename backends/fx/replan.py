@@ -38,6 +38,7 @@ class Planned:
     cut: int            # bytes the planner kept below it
     simulated: int      # the chosen rewrite's simulated peak
     lowest: bool        # the budget could not be met: the plans that reach the lowest peak
+    selection: frozenset = frozenset()     # the plans chosen: (site, slices) pairs
 
     def over(self, held: int) -> bool:
         return held > self.budget + max(int(self.budget * REPLAN_TOLERANCE), 2**20)
