@@ -1,6 +1,7 @@
 """The engine on hand-built IR graphs: analysis, matching, explanations, recompute, plans."""
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import sympy
 
@@ -617,3 +618,49 @@ def test_a_region_whose_every_large_value_the_step_returns_is_refused():
     assert not planning.plans
     [refusal] = planning.refusals
     assert "every large value of the region is returned by the step" in refusal.reason.message, refusal.reason
+
+
+# A batch of outer products (each token's gradient and input, an expert weight's gradient), its
+# slices added into zeros by a ScatterND (the gradient of gathered rows).
+SCATTER_RULE = """use std.ops
+
+rule chunk_outer_products {
+  match {
+    dw = MatMul(a, g)
+    require rank(dw) == 3 and dim(a, -1) == 1
+  }
+  rewrite {
+    chunk over a along 0 into 4
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("base, reduction, fires", [
+    ("zeros", "add", True),     # the gradient of a gather: each slice adds its part into zeros
+    ("input", "add", False),    # into a value: the slices' sums would add it four times
+    ("zeros", "none", False),   # written, not added: the slices' writes do not sum to the whole's
+])
+def test_a_scatter_nd_of_sliced_updates_is_a_partial_sum_only_into_zeros_and_adding(base, reduction, fires):
+    b = GraphBuilder({})
+    x = b.input("x", shape=(64, 32))
+    loss = b.op("ReduceSum", [x], shape=(), name="loss")
+    a = b.input("a", shape=(64, 32, 1))
+    g = b.op("Expand", [loss, b.const([64, 1, 48], np.int64)], shape=(64, 1, 48), name="g")
+    dw = b.op("MatMul", [a, g], shape=(64, 32, 48), name="dw")
+    ids = b.input("ids", "int64", shape=(64, 1))
+    if base == "zeros":
+        into = b.op("Transpose", [b.op("Expand", [b.const(0.0), b.const([4, 32, 48], np.int64)], shape=(4, 32, 48))],
+                    perm=[0, 1, 2], name="zeros")
+    else:
+        into = b.input("table", shape=(4, 32, 48))
+    out = b.op("ScatterND", [into, ids, dw], shape=(4, 32, 48), name="grad", reduction=reduction)
+    planning = plan(b.graph([loss, out], forward_outputs=["loss"]), compile_text(SCATTER_RULE, "scatter.rule"))
+    if fires:
+        [chunk_plan] = planning.plans
+        [region] = chunk_plan.occurrences
+        assert region.meta[id(out)].need_sum and len(region.chunks) == 4
+    else:
+        [refusal] = planning.refusals
+        why = "not zeros" if base == "input" else "works along dim 0"
+        assert "ScatterND n_grad" in refusal.reason.message and why in refusal.reason.message, refusal.reason.message

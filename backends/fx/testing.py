@@ -151,6 +151,10 @@ def _op(node: Node, args: list, ints: list) -> object:
         return torch.cat(args, a["axis"])
     if op == "Slice":
         return _slice(x, ints[1][0], ints[2][0], ints[3][0])
+    if op == "GatherND":        # batch_dims 0: the index's last dim holds tuples into the data's first dims
+        return x[tuple(args[1].unbind(-1))]
+    if op == "ScatterND":       # reduction add or none, as the gradient of GatherND writes it
+        return x.index_put(tuple(args[1].unbind(-1)), args[2], accumulate=a.get("reduction", "none") == "add")
     if op == "CumSum":
         return _cumsum(x, ints[1][0], a.get("exclusive", 0), a.get("reverse", 0))
     reductions = {"ReduceSum": lambda t, d, k: torch.sum(t, d, keepdim=bool(k)),

@@ -43,6 +43,21 @@ from .formulas import DimEmitter
 _SHAPE_INPUT = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0}
 
 
+def _moves_nothing(node: Node) -> bool:
+    """A Transpose to the same order or an Expand or Reshape to its input's own shape: the
+    exporters write them (transformers' `index_put` of an expert weight's gradient), and ONNX
+    Runtime drops them from the main graph, where it knows both shapes; in a Loop body, which
+    reads the target shape from the slice, it copies the slice instead."""
+    if not node.inputs or node.inputs[0] is None or len(node.outputs) != 1:
+        return False
+    src, out = node.inputs[0].shape, node.outputs[0].shape
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        return perm is not None and list(perm) == list(range(len(perm)))
+    return (node.op in ("Expand", "Reshape") and src is not None and out is not None and len(src) == len(out)
+            and all(isinstance(a, int) and a == b for a, b in zip(src, out)))
+
+
 def _constant(names: Callable[[str], str], base: str, array: np.ndarray) -> Value:
     name = names(base)
     v = Value(name, _IR_DTYPES[array.dtype.type], tuple(array.shape), is_initializer=True,
@@ -375,8 +390,10 @@ def _body(phase: ChunkPhase, region: ChunkRegion, names: Callable[[str], str], r
         """A new value for one slice of the region value `o`."""
         return Value(names(f"{o.name}_slice"), o.dtype, _sliced_shape(region.shaped_like(o), region.meta_of(o), run))
 
+    returned = {id(o) for o in (*sums, *scans)}
     for node in phase.nodes:
-        if id(node) in elided:
+        if id(node) in elided or (_moves_nothing(node) and id(node.inputs[0]) in env
+                                  and id(node.outputs[0]) not in returned):
             env[id(node.outputs[0])] = env[id(node.inputs[0])]
             continue
         if id(node) in phase.replayed:      # a dropout again, from the mask the forward slices kept

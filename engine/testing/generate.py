@@ -450,6 +450,22 @@ def _reduce(g: _Builder, op: str, args: list, attrs: dict, n: int):
     return g.emit(op, ins, attrs)
 
 
+def _gather_nd(g: _Builder, op: str, args: list, attrs: dict, n: int):
+    """Rows of a table picked by an index input of small integers (random_feeds draws them in
+    [0, 4), so the table has 4 rows): embedding rows, or a mixture of experts' weights gathered
+    per token."""
+    if isinstance(args[0], Value):
+        table = args[0]
+        if not table.shape or table.shape[0] != 4:
+            raise CannotBuild("GatherND of a table engine.testing did not make (its indices are in [0, 4))")
+    else:
+        table = g.leaf(args[0], g.dtype_for(args[0]), (4, *g.shape(g.draw(st.sampled_from([2, 1]), label="rank"))))
+    index = args[1] if isinstance(args[1], Value) else g.leaf(args[1], DType.INT64, (g.dim(), 1), differentiable=False)
+    if index.dtype is not DType.INT64 or not index.shape or index.shape[-1] != 1:
+        raise CannotBuild("GatherND of an index engine.testing did not make")
+    return g.emit(op, [table, index], attrs)
+
+
 FILL: dict[str, Callable] = {
     **{op: _unary for op in ("Gelu", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Sigmoid", "HardSigmoid",
                              "HardSwish", "Tanh", "Softplus", "Softsign", "Mish", "Erf", "Exp", "Log", "Neg",
@@ -462,6 +478,7 @@ FILL: dict[str, Callable] = {
     "Transpose": _transpose, "Reshape": _reshape, "Flatten": _reshape, "Unsqueeze": _unsqueeze,
     "Squeeze": _unsqueeze, "Expand": _expand, "Split": _split, "Concat": _concat, "Slice": _slice,
     "CumSum": _cumsum, "ReduceSum": _reduce, "ReduceMean": _reduce, "ReduceMax": _reduce, "ReduceMin": _reduce,
+    "GatherND": _gather_nd,
 }
 
 

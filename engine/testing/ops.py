@@ -410,6 +410,13 @@ def _expand(e: Emitter, c: Call, g):
     return [unbroadcast(e, g, c.out_shapes[0], c.shape(0)), None]
 
 
+def _gather_nd(e: Emitter, c: Call, g):
+    """The picked rows' gradients added back at their index tuples, into zeros (torch's
+    `index_put(..., accumulate=True)` of `table[ids]`'s backward, ONNX's ScatterND)."""
+    table, index = c.inputs
+    return [e.op("ScatterND", [_zeros_like(e, table, c.dtype), index, g], "dtable", reduction="add"), None]
+
+
 def _split(e: Emitter, c: Call, *grads):
     axis = c.attrs.get("axis", 0)
     parts = [gr if gr is not None else _zeros_like(e, out, c.dtype) for gr, out in zip(grads, c.outputs)]
@@ -615,6 +622,27 @@ def _reduce_type(ins: list[In], attrs: dict) -> Types:
     return [(ins[0].dtype, tuple(1 if k in axes else d for k, d in enumerate(shape) if keep or k not in axes))]
 
 
+def _index_tuples(ins: list[In]) -> int:
+    """The length of GatherND's and ScatterND's index tuples (the index's last dim), at most the
+    data's rank; batch_dims is 0 (engine.testing writes none)."""
+    data, index = ins[0].shape, ins[1].shape
+    if ins[1].dtype is not DType.INT64 or not index or not isinstance(index[-1], int) or not 1 <= index[-1] <= len(data):
+        raise ValueError(f"index tuples of {index} into {data}")
+    return index[-1]
+
+
+def _gather_nd_type(ins: list[In], attrs: dict) -> Types:
+    k = _index_tuples(ins)
+    return [(ins[0].dtype, (*ins[1].shape[:-1], *ins[0].shape[k:]))]
+
+
+def _scatter_nd_type(ins: list[In], attrs: dict) -> Types:
+    k = _index_tuples(ins)
+    if tuple(ins[2].shape) != (*ins[1].shape[:-1], *ins[0].shape[k:]):
+        raise ValueError(f"ScatterND updates of {ins[2].shape} at {ins[1].shape} into {ins[0].shape}")
+    return [(ins[0].dtype, ins[0].shape)]
+
+
 def _layer_norm_type(ins: list[In], attrs: dict) -> Types:
     return [(ins[0].dtype, ins[0].shape)]
 
@@ -675,6 +703,8 @@ def _defs() -> dict[str, OpDef]:
     add("Concat", (2, 4), _concat_type, _concat)
     add("Slice", (4, 4), _slice_type, _slice)
     add("CumSum", (2, 2), _same, _cumsum, exclusive=0, reverse=0)
+    add("GatherND", (2, 2), _gather_nd_type, _gather_nd, batch_dims=0)
+    add("ScatterND", (3, 3), _scatter_nd_type, None, reduction="none")
     for name in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):
         add(name, (1, 2), _reduce_type, _reduce(name), keepdims=1, noop_with_empty_axes=0)
     return {d.name: d for d in defs}

@@ -84,9 +84,20 @@ class _TwoPhases(Exception):
         self.why = why
 
 
+# Ops whose output is zeros wherever their first input is (a zero fill broadcast, cast, laid out
+# anew: transformers' `torch.zeros` of an expert weight's gradient, exported as Expand then Transpose).
+_ZERO_KEEPING = {"Identity", "Cast", "Transpose", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}
+
+
 def _zero(v: Value) -> bool:
-    """A scalar zero made from nothing (the untaken branch of a masked gradient)."""
+    """Zeros made from nothing (the untaken branch of a masked gradient, the zeros a gradient is
+    scattered into): a zero constant, a zero fill, or either through ops that keep zeros."""
     p = v.producer
+    while p is not None and p.op_type in _ZERO_KEEPING and p.inputs and p.inputs[0] is not None:
+        v = p.inputs[0]
+        p = v.producer
+    if v.ints is not None:
+        return all(x == 0 for x in v.ints)
     if p is None:
         return v.data is not None and getattr(v.data, "size", 0) == 1 and float(v.data.reshape(-1)[0]) == 0
     if any(True for _ in p.present_inputs()):
@@ -316,6 +327,9 @@ class _Grower:
                 got_dim, lead, tail = dm.shifted[(i, m.dim)]
                 got_sum, got_rows = False, self.shift(node, m.rows, lead, tail)
             elif any((i, m.dim) in group for group in dm.summed):
+                if dm.zero_base is not None and not _zero(inputs[dm.zero_base]):
+                    raise Refused(f"{node.op} {node.name} adds %{v.name}'s slices into %{inputs[dm.zero_base].name}, "
+                                  f"which is not zeros: their partial sums would add it once per slice")
                 got_dim, got_sum = None, True
             elif (i, m.dim) in dm.blocked:
                 raise Refused(f"{node.op} {node.name} works along dim {m.dim} of %{v.name}, the chunk dim")
@@ -590,7 +604,7 @@ class _Grower:
         if kind == "pad" and (node.attrs.get("mode", "constant") not in ("constant", b"constant") or any(
                 flags[2:]) or (len(inputs) > 2 and not _zero(inputs[2]))):
             raise Refused(f"{op} {node.name} pads the incoming gradient with something other than zeros")
-        if kind == "scatter_elements" and (
+        if kind in ("scatter_elements", "scatter_nd") and (
                 flags[1] or not all(flags[i] or _zero(inputs[i]) for i in (0, 2) if i < len(inputs))
                 or attr_text(node.attrs.get("reduction", "none")) not in ("none", "add")):
             raise Refused(f"{op} {node.name} scatters the incoming gradient into, or with, a value other than zeros")
@@ -902,9 +916,26 @@ class _Grower:
             needed[id(p)] = p
             stack.extend(p.present_inputs())
         recomputed = [n for n in forward if id(n) in needed]
-        return [phase(forward, also=kept),
+        return [phase(self.feeding(forward, outputs(forward, kept)), also=kept),
                 phase(sorted(recomputed + backward, key=lambda n: self.position[id(n)]), recomputed,
                       replayed=replayed)]
+
+    @staticmethod
+    def feeding(members: list[Node], outs: list[Value]) -> list[Node]:
+        """The nodes of `members` that `outs` are computed from. A forward node whose value only
+        the backward reads (the transpose of gathered expert weights for the input's gradient) is
+        left to the backward slices, which compute it again anyway: in the forward slices it is
+        work for nothing."""
+        ids = {id(n): n for n in members}
+        kept: set[int] = set()
+        stack = [o.producer for o in outs]
+        while stack:
+            n = stack.pop()
+            if n is None or id(n) not in ids or id(n) in kept:
+                continue
+            kept.add(id(n))
+            stack.extend(v.producer for v in n.present_inputs())
+        return [n for n in members if id(n) in kept]
 
     def from_random_numbers(self, node: Node, v: Value) -> bool:
         """Whether the region node `node` makes `v` from random numbers drawn outside the region

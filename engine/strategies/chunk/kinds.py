@@ -32,6 +32,11 @@ CHUNK_KINDS = {
     "squeeze": "removes dims of size 1",
     "gather_elements": "output dims follow the index; the data's other dims follow too",
     "scatter_elements": "output dims follow the data; index and updates follow except the axis",
+    "gather_nd": "rows of the data picked by index tuples (ONNX GatherND, batch_dims 0): the output's leading "
+                 "dims follow the index's, its trailing dims the data's dims after those the tuples pick",
+    "scatter_nd": "the updates added at index tuples into the data (ONNX ScatterND, batch_dims 0): the output "
+                  "follows the data; slices of the index's leading dims (and the updates') are partial sums, "
+                  "when the data is zeros and the reduction `add` (the gradient of GatherND)",
     "fill": "a new tensor from a shape: sliced by writing the chunk's size into the shape",
     "like": "a new tensor shaped like its input (ones_like): dims follow, values do not depend on it",
     "shape": "the shape of its input (ONNX Shape, Size): a slice's shape, computed per slice",
@@ -67,7 +72,7 @@ DTYPE_ONLY = {"cast_like": {1}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
 MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
-              "nll_loss": 2, "norm": 1, "slice_scatter": 2}
+              "nll_loss": 2, "norm": 1, "slice_scatter": 2, "gather_nd": 2, "scatter_nd": 3}
 
 
 
@@ -142,6 +147,9 @@ class DimMap:
     # from row `lead` to `tail` rows before its end (a slice `x[1:]`: 1, 0); negative for rows
     # the op adds (a pad; a slice_scatter's output around the slice it writes)
     shifted: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    # the input whose values a partial sum adds to (a scatter-add's data): the slices' sums are the
+    # whole's only where it is zeros, each slice adding its part into zeros
+    zero_base: int | None = None
 
 
 def _int_list(x: Any) -> list[int] | None:
@@ -484,9 +492,36 @@ def _kind_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
         if kind == "gather_elements":       # (data, index)
             return DimMap([others, every], blocked={(0, axis)})
         return DimMap([every] + [others for _ in inputs[1:]], blocked={(i, axis) for i in range(1, len(inputs))})
+    if kind in ("gather_nd", "scatter_nd"):
+        return _nd_map(node, kind, inputs)
     if kind == "nll_loss":
         return _nll_loss_map(node, inputs)
     raise Refused(f"unknown chunk kind {kind!r}")
+
+
+def _nd_map(node: Node, kind: str, inputs: list[Value]) -> DimMap:
+    """GatherND (data, indices) and ScatterND (data, indices, updates): the indices' last dim, of
+    static size k, holds tuples into the data's first k dims; the indices' other dims index the
+    tuples, and the data's dims after the first k ride along."""
+    if int(_param(node, "batch_dims") or 0):
+        raise Refused(f"{node.op} {node.name}: batch_dims is not 0")
+    data, indices = inputs[0], inputs[1]
+    r, q = rank_of(data), rank_of(indices)
+    k = indices.shape[-1] if q else None
+    if q < 1 or not isinstance(k, int) or not 1 <= k <= r:
+        raise Refused(f"{node.op} {node.name}: its index tuples' length {k} is not a static size at most the "
+                      f"data's rank {r}")
+    lead = q - 1        # the index dims that count tuples
+    blocked = {(0, d) for d in range(k)} | {(1, lead)}
+    if kind == "gather_nd":
+        return DimMap([{lead + j: k + j for j in range(r - k)}, {j: j for j in range(lead)}], blocked=blocked)
+    reduction = attr_text(_param(node, "reduction") or "none")
+    every = {d: d for d in range(r)}
+    updates = {d: lead + d - k for d in range(k, r)}
+    tuples = [[(1, j), (2, j)] for j in range(lead)]
+    if reduction != "add":      # written, not added: slices would not sum to the whole
+        return DimMap([every, {}, updates], blocked=blocked | {t for group in tuples for t in group})
+    return DimMap([every, {}, updates], summed=tuples, blocked=blocked, zero_base=0)
 
 
 def _nll_loss_map(node: Node, inputs: list[Value]) -> DimMap:
