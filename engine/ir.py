@@ -51,6 +51,10 @@ class Value:
     # (Inductor's fusion of pointwise chains): it never takes memory, so the budget planner's
     # memory curve gives it no bytes.
     materialized: bool = field(default=True, repr=False)
+    # Every element of the value is this number, whatever its shape (a fill: ONNX's
+    # ConstantOfShape, a one-element Constant); importers set it, so the engine knows the zeros a
+    # gradient is scattered or padded into without reading a backend's attributes.
+    filled: float | None = field(default=None, repr=False)
 
     @property
     def numel(self) -> Dim | None:

@@ -638,6 +638,7 @@ rule chunk_outer_products {
 
 @pytest.mark.parametrize("base, reduction, fires", [
     ("zeros", "add", True),     # the gradient of a gather: each slice adds its part into zeros
+    ("fill", "add", True),      # zeros an importer marks filled (ONNX's ConstantOfShape)
     ("input", "add", False),    # into a value: the slices' sums would add it four times
     ("zeros", "none", False),   # written, not added: the slices' writes do not sum to the whole's
 ])
@@ -652,6 +653,9 @@ def test_a_scatter_nd_of_sliced_updates_is_a_partial_sum_only_into_zeros_and_add
     if base == "zeros":
         into = b.op("Transpose", [b.op("Expand", [b.const(0.0), b.const([4, 32, 48], np.int64)], shape=(4, 32, 48))],
                     perm=[0, 1, 2], name="zeros")
+    elif base == "fill":
+        into = b.op("ConstantOfShape", [b.const([4, 32, 48], np.int64)], "float32", (4, 32, 48), name="zeros")
+        into.filled = 0.0
     else:
         into = b.input("table", shape=(4, 32, 48))
     out = b.op("ScatterND", [into, ids, dw], shape=(4, 32, 48), name="grad", reduction=reduction)

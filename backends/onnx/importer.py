@@ -403,6 +403,21 @@ def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
             v.ints = [int(x) for x in array.reshape(-1)]
 
 
+def _note_fill(node: Node) -> None:
+    """`Value.filled` for a ConstantOfShape (its `value`, or ONNX's default zero) and a one-element
+    Constant."""
+    out = node.outputs[0] if node.outputs else None
+    value = node.attrs.get("value")
+    if out is None or node.op not in ("ConstantOfShape", "Constant"):
+        return
+    if value is None:
+        out.filled = 0.0 if node.op == "ConstantOfShape" else None
+    elif isinstance(value, onnx.TensorProto):
+        array = onnx.numpy_helper.to_array(value)
+        if array.size == 1 and array.dtype.kind in "fiub":
+            out.filled = float(array.reshape(-1)[0])
+
+
 def _note_constant_ints(node: Node) -> None:
     """`Value.ints` for a Constant's small integer output, for the Concat of such values (the
     exporter writes a reshape's target shape as a Concat of one-element constants), and for
@@ -491,6 +506,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
         node = Node(op, ins, outs, attrs, np_.name or f"{np_.op_type}_{i}", subgraphs, scope=_scope(np_))
         _read_provenance(node, np_)
         _note_constant_ints(node)
+        _note_fill(node)
         node.attr_defaults = defaults_cache[key]
         if not np_.output or any(not n for n in np_.output):
             node.meta["unnamed_outputs"] = [k for k, n in enumerate(np_.output) if not n]

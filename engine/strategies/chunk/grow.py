@@ -96,8 +96,8 @@ def _zero(v: Value) -> bool:
     while p is not None and p.op_type in _ZERO_KEEPING and p.inputs and p.inputs[0] is not None:
         v = p.inputs[0]
         p = v.producer
-    if v.ints is not None:
-        return all(x == 0 for x in v.ints)
+    if v.filled is not None or v.ints is not None:
+        return v.filled == 0 if v.filled is not None else all(x == 0 for x in v.ints)
     if p is None:
         return v.data is not None and getattr(v.data, "size", 0) == 1 and float(v.data.reshape(-1)[0]) == 0
     if any(True for _ in p.present_inputs()):
