@@ -410,7 +410,10 @@ def _note_fill(node: Node) -> None:
     value = node.attrs.get("value")
     if out is None or node.op not in ("ConstantOfShape", "Constant"):
         return
-    if value is None:
+    scalar = next((node.attrs[k] for k in ("value_float", "value_int") if k in node.attrs), None)
+    if scalar is not None:
+        out.filled = float(scalar)
+    elif value is None:
         out.filled = 0.0 if node.op == "ConstantOfShape" else None
     elif isinstance(value, onnx.TensorProto):
         array = onnx.numpy_helper.to_array(value)
