@@ -322,8 +322,9 @@ def onnx_rows(model: str, step, exporter: str, args) -> list[dict]:
         # cannot send an input across a jump of a derivative (torch_export.verify).
         f64_err = None if max(loss_err, grad_err) <= TOLERANCE else float64_error(
             exported, None if label == "original" else (lambda m: remat_apply(m)[1]))
-        peak = measure(onnx_model, exported.feeds, repeats=1, threads=args.threads).peak_mib
-        rows.append({"model": model, "path": f"onnx/{exporter}/{label}", "peak": peak, "fired": fired,
+        measured = measure(onnx_model, exported.feeds, repeats=1, threads=args.threads)
+        rows.append({"model": model, "path": f"onnx/{exporter}/{label}", "peak": measured.peak_mib,
+                     "seconds": measured.seconds, "fired": fired,
                      "loss_err": loss_err, "grad_err": grad_err, "f64_err": f64_err})
     return rows
 

@@ -12,9 +12,11 @@ the others still run.
 
 Columns: the loss's and the largest gradient's relative error of the rewritten graph against
 torch (a row over 1e-4 judged again in float64, as hf_models.py does), ONNX Runtime's measured peak
-above rest of the original and of the rewrite (VmHWM), their ratio, and the plans applied. The
-last line: the failures by stage, the largest error, the ratios' range, and the architectures
-where the rewrite saved less than a tenth of the original's peak.
+above rest of the original and of the rewrite (VmHWM), their ratio, the rewrite's step time over the
+original's (one timed step each, in a process of its own: `remat measure --compare --repeats 5`
+for a steadier figure), and the plans applied. The last line: the failures by stage, the largest
+error, the ratios' ranges, and the architectures where the rewrite saved less than a tenth of the
+original's peak.
 
     python bench/hf_onnx.py [--models gpt_neox mistral ...] [--exporter make-fx] [--tiers expensive]
                             [--timeout 900]
@@ -70,11 +72,12 @@ def main() -> None:
           f"eager attention; exporter {args.exporter}; tiers {' '.join(args.tiers) or 'default'}); errors "
           f"against torch; peak: MiB above rest (VmHWM); {args.threads} threads", flush=True)
     head = (f"{'model':13}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'original':>10}{'remat':>8}{'ratio':>7}"
-            "  plans applied")
+            f"{'time':>7}  plans applied")
     print(head)
     print("-" * len(head), flush=True)
     failed: dict[str, list[str]] = {}
     ratios: dict[str, float] = {}
+    times: dict[str, float] = {}
     worst = 0.0
     for name in args.models:
         rows = run_one(f"{name}:{args.exporter}", args, env, __file__)
@@ -87,17 +90,21 @@ def main() -> None:
         ratio = remat["peak"] / original["peak"] if original["peak"] > 0 else None
         if ratio is not None:
             ratios[name] = ratio
+        if original["seconds"] > 0:
+            times[name] = remat["seconds"] / original["seconds"]
         f64 = remat.get("f64_err")
         worst = max(worst, f64 if f64 is not None else max(remat["loss_err"], remat["grad_err"]))
         errs = "".join(f"{e:>10.1e}" if e is not None else f"{'-':>10}" for e in (remat["loss_err"], remat["grad_err"], f64))
         print(f"{name:13}{errs}{original['peak']:>10.1f}{remat['peak']:>8.1f}"
-              f"{(f'{ratio:.3f}' if ratio is not None else '-'):>7}  {fired_text(remat['fired'])}", flush=True)
+              f"{(f'{ratio:.3f}' if ratio is not None else '-'):>7}"
+              f"{(f'{times[name]:.2f}' if name in times else '-'):>7}  {fired_text(remat['fired'])}", flush=True)
     little = [n for n, r in ratios.items() if r > SMALL_SAVING]
     failures = "; ".join(f"{stage}: {', '.join(names)}" for stage, names in failed.items())
     spread = f"{min(ratios.values()):.3f}-{max(ratios.values()):.3f}" if ratios else "-"
+    slower = f"{min(times.values()):.2f}-{max(times.values()):.2f}" if times else "-"
     print(f"architectures {len(args.models)}; failed: {failures or 'none'}; "
-          f"largest error {worst:.1e}; remat / original {spread}; under {1 - SMALL_SAVING:.0%} saved: "
-          f"{', '.join(little) or 'none'}")
+          f"largest error {worst:.1e}; remat / original {spread} (peak), {slower} (step time); "
+          f"under {1 - SMALL_SAVING:.0%} saved: {', '.join(little) or 'none'}")
 
 
 if __name__ == "__main__":
