@@ -322,7 +322,9 @@ def onnx_rows(model: str, step, exporter: str, args) -> list[dict]:
         # cannot send an input across a jump of a derivative (torch_export.verify).
         f64_err = None if max(loss_err, grad_err) <= TOLERANCE else float64_error(
             exported, None if label == "original" else (lambda m: remat_apply(m)[1]))
-        measured = measure(onnx_model, exported.feeds, repeats=1, threads=args.threads)
+        # the peak of one step; the time the median of five after a warm-up (one step's is noisy:
+        # Mixtral's original took 20x its rewrite's time in one, about 2x in the median of five)
+        measured = measure(onnx_model, exported.feeds, repeats=5, threads=args.threads)
         rows.append({"model": model, "path": f"onnx/{exporter}/{label}", "peak": measured.peak_mib,
                      "seconds": measured.seconds, "fired": fired,
                      "loss_err": loss_err, "grad_err": grad_err, "f64_err": f64_err})

@@ -13,8 +13,8 @@ the others still run.
 Columns: the loss's and the largest gradient's relative error of the rewritten graph against
 torch (a row over 1e-4 judged again in float64, as hf_models.py does), ONNX Runtime's measured peak
 above rest of the original and of the rewrite (VmHWM), their ratio, the rewrite's step time over the
-original's (one timed step each, in a process of its own: `remat measure --compare --repeats 5`
-for a steadier figure), and the plans applied. The last line: the failures by stage, the largest
+original's (the median of five steps after a warm-up, in a process of its own), and the plans
+applied. The last line: the failures by stage, the largest
 error, the ratios' ranges, and the architectures where the rewrite saved less than a tenth of the
 original's peak.
 
