@@ -14,9 +14,8 @@ Columns: the loss's and the largest gradient's relative error of the rewritten g
 torch (a row over 1e-4 judged again in float64, as hf_models.py does), ONNX Runtime's measured peak
 above rest of the original and of the rewrite (VmHWM), their ratio, the rewrite's step time over the
 original's (the median of five steps after a warm-up, in a process of its own), and the plans
-applied. The last line: the failures by stage, the largest
-error, the ratios' ranges, and the architectures where the rewrite saved less than a tenth of the
-original's peak.
+applied. The last line: the failures by stage, the largest error, the ratios' ranges, and the
+architectures where the rewrite saved less than a tenth of the original's peak.
 
     python bench/hf_onnx.py [--models gpt_neox mistral ...] [--exporter make-fx] [--tiers expensive]
                             [--timeout 900]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -407,17 +408,18 @@ def _note_fill(node: Node) -> None:
     """`Value.filled` for a ConstantOfShape (its `value`, or ONNX's default zero) and a one-element
     Constant."""
     out = node.outputs[0] if node.outputs else None
-    value = node.attrs.get("value")
     if out is None or node.op not in ("ConstantOfShape", "Constant"):
         return
+    value = node.attrs.get("value")
     scalar = next((node.attrs[k] for k in ("value_float", "value_int") if k in node.attrs), None)
     if scalar is not None:
         out.filled = float(scalar)
     elif value is None:
         out.filled = 0.0 if node.op == "ConstantOfShape" else None
-    elif isinstance(value, onnx.TensorProto):
+    elif isinstance(value, onnx.TensorProto) and math.prod(value.dims) == 1:
+        # by its dims first: exporters write constants of many elements (index tables) too
         array = onnx.numpy_helper.to_array(value)
-        if array.size == 1 and array.dtype.kind in "fiub":
+        if array.dtype.kind in "fiub":
             out.filled = float(array.reshape(-1)[0])
 
 
