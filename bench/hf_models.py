@@ -305,8 +305,15 @@ def onnx_rows(model: str, step, exporter: str, args) -> list[dict]:
     args.stage = "remat apply"
     rules = load_rules()
 
+    budget = getattr(args, "budget", None)
+    device = None
+    if budget:
+        from backends.device import profile_for
+
+        device = profile_for("cpu")
+
     def remat_apply(model):
-        rewrite = apply_rules(import_model(model), rules, tiers=args.tiers)
+        rewrite = apply_rules(import_model(model), rules, tiers=args.tiers, budget=budget, device=device)
         rewritten = export_model(rewrite.graph)
         check_exported(rewritten)
         return rewrite, rewritten

@@ -18,7 +18,7 @@ applied. The last line: the failures by stage, the largest error, the ratios' ra
 architectures where the rewrite saved less than a tenth of the original's peak.
 
     python bench/hf_onnx.py [--models gpt_neox mistral ...] [--exporter make-fx] [--tiers expensive]
-                            [--timeout 900]
+                            [--budget 0.3] [--timeout 900]
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(ARCHITECTURES), default=list(ARCHITECTURES))
     ap.add_argument("--exporter", choices=hf_models.EXPORTERS, default="make-fx")
     ap.add_argument("--tiers", nargs="*", default=[], help="remat's tiers (default: the default tier)")
+    ap.add_argument("--budget", help="plan for this budget (0.3: of the original's estimated peak; 400MiB), "
+                                     "as `remat apply --budget` does, for this CPU")
     process_arguments(ap, 900, "architecture's process")
     args = ap.parse_args()
     env = child_env(args, "remat-hf-onnx-")
@@ -68,7 +70,8 @@ def main() -> None:
         child(args)
         return
     print(f"Hugging Face causal LMs through ONNX Runtime (bench/hf_sweep.py's size, batch {BATCH['fp32']} fp32, "
-          f"eager attention; exporter {args.exporter}; tiers {' '.join(args.tiers) or 'default'}); errors "
+          f"eager attention; exporter {args.exporter}; tiers {' '.join(args.tiers) or 'default'}"
+          f"{f'; budget {args.budget}' if args.budget else ''}); errors "
           f"against torch; peak: MiB above rest (VmHWM); {args.threads} threads", flush=True)
     head = (f"{'model':13}{'loss err':>10}{'grad err':>10}{'f64 err':>10}{'original':>10}{'remat':>8}{'ratio':>7}"
             f"{'time':>7}  plans applied")

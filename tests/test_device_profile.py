@@ -43,12 +43,13 @@ def test_a_chunk_slice_reads_the_weight_again_at_the_profiles_operand_rate():
     """Each slice of the loss's chunk reads the projection's weight whole: on a CPU its matmul packs
     the weight at every call (146 ms for 14 more slices of a 32 MiB weight, where the launches and
     sums came to a few ms), so a slower operand rate makes more slices dearer, by exactly the
-    weight's bytes read again."""
+    weight's bytes read again. (The other inputs a slice reads whole, a scalar here, move at the
+    memory's rate.)"""
     from dataclasses import replace
 
     from backends.onnx.importer import import_model
     from engine.apply import plan
-    from engine.budget.cost import chunk_seconds, whole_inputs
+    from engine.budget.cost import chunk_seconds, pass_traffic, whole_inputs
     from engine.strategies.chunk import ChunkRegion
     from training_graphs import build_ort_loss_head
 
@@ -56,8 +57,8 @@ def test_a_chunk_slice_reads_the_weight_again_at_the_profiles_operand_rate():
     graph = import_model(model)
     planning = plan(graph, RULES)
     [region] = [o for p in planning.plans for o in p.occurrences if isinstance(o, ChunkRegion)]
-    weight = next(v for v in whole_inputs(region) if v.shape == (64, 8192))
-    assert all(region.meta_of(v).dim is None for v in whole_inputs(region))
+    weight = next(v for v in whole_inputs(region, RULES) if v.shape == (64, 8192))
+    assert all(region.meta_of(v).dim is None for v in whole_inputs(region, RULES))
     cpu = preset("cpu-default")
     fast, slow = replace(cpu, operand_bytes_per_s=1e12), replace(cpu, operand_bytes_per_s=1e9)
 
@@ -65,28 +66,32 @@ def test_a_chunk_slice_reads_the_weight_again_at_the_profiles_operand_rate():
         return chunk_seconds(region, k, RULES, graph.dim_examples, profile) - \
             chunk_seconds(region, 2, RULES, graph.dim_examples, profile)
 
-    reread = sum(v.nbytes for v in whole_inputs(region)) * 14
+    reread = sum(t.packed for t in pass_traffic(region, RULES, graph.dim_examples)) * 14
     assert reread >= 14 * weight.nbytes
     assert abs((dearer(slow, 16) - dearer(fast, 16)) - (reread / 1e9 - reread / 1e12)) < 1e-9
     assert cpu.seconds(0, 0, 0, reread=1e9) == cpu.seconds(0, 1e9, 0)      # unmeasured: the bandwidth
 
 
-def test_a_cpu_profile_cached_before_the_operand_rate_was_measured_is_measured_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("missing", ["operand_bytes_per_s", "cache_bytes_per_s"])
+def test_a_cpu_profile_cached_before_remat_measured_all_it_does_is_measured_again(tmp_path, monkeypatch, missing):
     import json
 
     import backends.device as device
     from engine.budget.device import DeviceProfile
 
+    old = DeviceProfile("cpu", 1e11, 4e10, 1e-5, operand_bytes_per_s=7e9, cache_bytes=2 ** 24,
+                        cache_bytes_per_s=1e11).to_json()
+    del old[missing]
     cached = tmp_path / "cpu.json"
-    cached.write_text(json.dumps({"name": "cpu", "flops_per_s": 1e11, "bytes_per_s": 4e10, "launch_s": 1e-5,
-                                  "half_flops_per_s": None, "tf32_flops_per_s": None}))
+    cached.write_text(json.dumps(old))
     monkeypatch.setattr(device, "cache_file", lambda: cached)
     monkeypatch.setattr(device, "busy", lambda: False)
     monkeypatch.setattr(device, "_UNCACHED", [])     # no profile this process measured on a busy machine
-    measured = DeviceProfile("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9)
+    measured = DeviceProfile("cpu", 2e11, 4e10, 1e-5, operand_bytes_per_s=8e9, cache_bytes=2 ** 24,
+                             cache_bytes_per_s=1.1e11)
     monkeypatch.setattr(device, "measure_cpu", lambda: measured)
     assert device.cpu_profile() == measured
-    assert json.loads(cached.read_text())["operand_bytes_per_s"] == 8e9
+    assert json.loads(cached.read_text())[missing] == getattr(measured, missing)
     monkeypatch.setattr(device, "measure_cpu", lambda: 1 / 0)      # now cached: not measured again
     assert device.cpu_profile() == measured
 
@@ -135,3 +140,80 @@ def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA device; to plan for one without it, name its profile: a100, "):
         profile_for("cuda")
+
+
+def test_the_cache_serves_a_working_set_it_holds_and_a_share_of_a_larger_one():
+    from dataclasses import replace
+
+    cpu = replace(preset("cpu-default"), bytes_per_s=40e9, cache_bytes=16 * 2 ** 20, cache_bytes_per_s=115e9)
+    assert cpu.cached_share(8 * 2 ** 20) == cpu.cached_share(16 * 2 ** 20) == 1.0
+    assert cpu.cached_share(64 * 2 ** 20) == 0.25
+    assert cpu.moving_seconds(2 ** 30, 1.0) == pytest.approx(2 ** 30 / 115e9)
+    assert cpu.moving_seconds(2 ** 30, 0.25) == pytest.approx(0.75 * 2 ** 30 / 40e9 + 0.25 * 2 ** 30 / 115e9)
+    for profile in (preset("cpu-default"), preset("h100")):     # not modelled: all at the bandwidth
+        assert profile.cached_share(2 ** 20) == 0.0
+        assert profile.moving_seconds(2 ** 30, 1.0) == 2 ** 30 / profile.bytes_per_s
+
+
+def _loss_head_region():
+    from backends.onnx.importer import import_model
+    from engine.apply import plan
+    from engine.strategies.chunk import ChunkRegion
+    from training_graphs import build_ort_loss_head
+
+    model, _ = build_ort_loss_head(4096, 64, 8192)      # logits of 128 MiB
+    graph = import_model(model)
+    [region] = [o for p in plan(graph, RULES).plans for o in p.occurrences if isinstance(o, ChunkRegion)]
+    return graph, region
+
+
+def test_a_chunk_whose_slices_fit_the_cache_gains_what_its_inner_traffic_saves_there():
+    """The loss head's logits and what is computed from them, 128 MiB each whole, written by one
+    kernel and read by the next: in slices that fit the cache they move at its rate. The gain
+    grows with the slices until they fit and no further; a profile with no cache, or a backend
+    that keeps every one of those values in its kernels' registers, gains nothing."""
+    from dataclasses import replace
+
+    from engine.budget.cost import cache_fitting_slices, chunk_seconds, pass_traffic, unchunked_traffic
+
+    graph, region = _loss_head_region()
+    cpu = replace(preset("cpu-default"), bytes_per_s=40e9, cache_bytes=16 * 2 ** 20, cache_bytes_per_s=115e9)
+    examples = graph.dim_examples
+    [one] = pass_traffic(region, RULES, examples)        # one phase: the same values as whole
+    assert one.moved == unchunked_traffic(region, RULES, examples).moved >= 2 * 128 * 2 ** 20
+    assert one.sliced > one.moved / 4 and one.again == 0
+    # the weight's gradient, a partial sum whole in every slice (and the loss's scalar sums), and
+    # the weight the matmuls read whole, as it is and transposed
+    assert one.summed >= 64 * 8192 * 4 and one.packed == 2 * 64 * 8192 * 4
+    assert 0 <= one.whole - (one.summed + one.packed + one.reread) < 1024
+    fits = cache_fitting_slices(region, RULES, examples, cpu)
+    assert fits is not None and one.working(1 / fits) <= cpu.cache_bytes < one.working(2 / fits)
+    no_cache = replace(cpu, cache_bytes=None)
+    gains = [chunk_seconds(region, k, RULES, examples, no_cache) - chunk_seconds(region, k, RULES, examples, cpu)
+             for k in (2, fits // 2, fits, 2 * fits)]
+    assert 0 < gains[0] < gains[1] < gains[2]
+    # In the cache, the inner traffic gains what it moves at the memory's rate less the cache's,
+    # beyond what the whole kept there; the sums and rereads of every further slice gain too.
+    whole_share = cpu.cached_share(unchunked_traffic(region, RULES, examples).working(1.0))
+    inner = one.moved * (1 - whole_share) * (1 / 40e9 - 1 / 115e9)
+    for k, gain in zip((fits, 2 * fits), gains[2:]):
+        sums = (2 * one.summed + one.reread) * (k - 1) * (1 / 40e9 - 1 / 115e9)
+        assert gain == pytest.approx(inner + sums)
+    assert chunk_seconds(region, fits, RULES, examples, preset("cpu-default")) == \
+        chunk_seconds(region, fits, RULES, examples, replace(preset("cpu-default"), cache_bytes=2 ** 40))
+    assert cache_fitting_slices(region, RULES, examples, preset("cpu-default")) is None
+    for v in graph.values():      # every value fused into the kernel that reads it: no inner traffic
+        v.materialized = False
+    assert pass_traffic(region, RULES, examples)[0].moved == unchunked_traffic(region, RULES, examples).moved == 0
+
+
+def test_an_option_that_saves_time_is_taken_under_any_budget():
+    from engine.budget.solve import Option, solve
+
+    live = [100, 300, 100]
+    faster = Option(("chunk", 8), "chunk", -0.01, [(1, 1, -50)])
+    slower = Option(("chunk", 2), "chunk", 0.002, [(1, 1, -20)])
+    dearer = Option(("recompute", None), "recompute", 0.001, [(1, 1, -100)])
+    assert solve(live, [slower, dearer], 1000) == []             # nothing to buy
+    assert solve(live, [faster, slower, dearer], 1000) == [faster]
+    assert solve(live, [faster, slower, dearer], 200) == [faster, dearer]

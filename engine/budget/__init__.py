@@ -21,7 +21,7 @@ from ..failures import Site
 from ..ir import Graph
 from ..plan_type import PlanType
 from ..strategies.chunk import ChunkRegion
-from .cost import chunk_seconds, graph_seconds, recompute_seconds
+from .cost import cache_fitting_slices, chunk_seconds, graph_seconds, recompute_seconds
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
 from .solve import Option, applied, lowest_peak, solve
@@ -76,10 +76,11 @@ class Choice:
                 f"{len(self.selection)} plan occurrence(s) chosen" + (f" ({self.note})" if self.note else ""))
 
 
-def menu(region: ChunkRegion) -> list[int]:
-    """Slice counts to choose from: the rule's own, and powers of two up to the sliced size."""
+def menu(region: ChunkRegion, fitting: int | None = None) -> list[int]:
+    """Slice counts to choose from: the rule's own, powers of two up to the sliced size, and
+    `fitting`, the fewest at which the slices' working set fits the device's cache."""
     most = region.most_slices
-    counts = {len(region.chunks), *(k for k in SLICE_MENU if k <= most)}
+    counts = {len(region.chunks), *(k for k in SLICE_MENU if k <= most), *([fitting] if fitting else [])}
     return sorted(k for k in counts if 2 <= k <= most)
 
 
@@ -103,7 +104,7 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
             site = region.match.site
             if plan.type == PlanType.CHUNK:
                 chunk_values[site] = chunk_value_names(region)
-                for k in menu(region):
+                for k in menu(region, cache_fitting_slices(region, rules, examples, device)):
                     effect = chunk_effect(region, k, curve, analysis, views)
                     if effect:
                         options.append(Option((site, k), site, chunk_seconds(region, k, rules, examples, device),

@@ -6,14 +6,18 @@ the bytes of what the op reads and writes. A device profile turns them into seco
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..dtypes import DType
 from ..ir import Node, Value
 from ..op_cost import default_cost, node_cost
 from ..patterns import RuleSet
 from ..shapes import evaluate
-from ..strategies.chunk import ChunkRegion
+from ..strategies.chunk import INDEXED, TYPE_ONLY, ChunkRegion
+from ..strategies.chunk.grow import kind_of
 from ..strategies.recompute import Region
 from .device import DeviceProfile
+from .effects import is_view
 
 def _size(expr, examples: dict[str, int]) -> float:
     if expr is None:
@@ -55,24 +59,182 @@ def recompute_seconds(region: Region, rules: RuleSet, examples: dict[str, int], 
 
 def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: dict[str, int],
                   device: DeviceProfile) -> float:
-    """The launches of `slices - 1` more passes over the region's nodes, the partial sums
-    added up slice by slice, the inputs every slice reads whole (the weight of the loss's
-    matmuls) read again, and a two-phase region's forward nodes run again."""
-    per_pass = sum(len(phase.nodes) for phase in region.phases) or len(region.nodes)
-    sums = [o for o in region.outputs if region.meta_of(o).need_sum]
-    accumulate = sum(2 * _size(o.nbytes, examples) for o in sums) * (slices - 1)
-    reread = sum(_size(v.nbytes, examples) for v in whole_inputs(region)) * (slices - 1)
-    flops, half, moved = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
-    return device.seconds(flops, moved + accumulate, per_pass * (slices - 1), half, reread)
+    """What a region costs in `slices` slices more than whole, pass by pass: the launches of
+    `slices - 1` more runs of its nodes; the partial sums added up slice by slice; the inputs
+    every slice reads whole read again (a matmul's operand at the rate it takes one in, the
+    weight of the loss's matmuls); a two-phase region's forward nodes run again; and what the
+    region's own values take to move in slices against whole. Bytes move in the cache for the
+    share of a pass's working set it holds (DeviceProfile.cached_share), at the memory bandwidth
+    for the rest: where a slice stays in the cache and the whole did not, the total may be
+    negative, a chunk that makes the step faster (measured on a mixture-of-experts step through
+    ONNX Runtime on this 2-core CPU, the experts' gathered weights, 1 GiB, chunked: 8 MiB slices
+    ran it at 0.63x the unchunked graph's time, 64 MiB at 0.93x, 256 MiB at 1.00x)."""
+    fraction, more = _fraction(region, slices), slices - 1
+    flops, half, _ = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
+    total = device.seconds(flops, 0.0, 0, half)
+    for t in pass_traffic(region, rules, examples):
+        share = device.cached_share(t.working(fraction))
+        total += (device.seconds(0.0, 0.0, t.nodes * more, reread=t.packed * more)
+                  + device.moving_seconds(t.moved + (2 * t.summed + t.reread) * more, share)
+                  + device.moving_seconds(t.again, 0.0))
+    whole = unchunked_traffic(region, rules, examples)
+    return total - device.moving_seconds(whole.moved, device.cached_share(whole.working(1.0)))
 
 
-def whole_inputs(region: ChunkRegion) -> list[Value]:
-    """What each pass over a slice reads whole from outside it, once per phase that reads it:
-    not sliced, not a running sum. On a CPU a matmul packs such an operand at every call
-    (measured, linear + cross-entropy at vocab 32768: 16 slices of its matmuls took 146 ms more
-    than 2, 28 more calls on a 32 MiB weight: 6-7 GB/s, where the memory bandwidth is 44)."""
-    reads = [v for phase in region.phases for v in phase.inputs] or region.inputs
-    return [v for v in reads if (meta := region.meta_of(v)).dim is None and not meta.need_sum]
+@dataclass(frozen=True)
+class Traffic:
+    """What one run of a pass over the slices (or of the unchunked region) moves, counted whole.
+
+    `moved`: its own values, each written by one of its kernels once and read by each reader in
+    it (what the backend materializes, `Value.materialized`; not views, not what leaves the
+    region or is kept from one pass for the next). The working set: `sliced`, the bytes that are
+    sliced (those values and the sliced inputs, whole), and `whole`, those that are not (partial
+    sums, inputs read whole). Per slice: `summed`, the partial sums it adds into the running
+    ones; `packed`, the inputs a matmul reads whole (taken in at the operand rate), `reread`,
+    the others read whole. `again`: the sliced inputs that nodes of an earlier pass, run again
+    here, read again. `nodes`: its kernels."""
+
+    moved: float
+    sliced: float
+    whole: float = 0.0
+    summed: float = 0.0
+    packed: float = 0.0
+    reread: float = 0.0
+    again: float = 0.0
+    nodes: int = 0
+
+    def working(self, fraction: float) -> float:
+        return self.whole + self.sliced * fraction
+
+
+def cache_fitting_slices(region: ChunkRegion, rules: RuleSet, examples: dict[str, int],
+                         device: DeviceProfile) -> int | None:
+    """The fewest slices, of powers of two and the most the region allows, at which every pass's
+    working set fits the cache and the whole did not (a count the planner is offered beside its
+    menu); None where no count does, or the cache is not modelled."""
+    if not device.cache_bytes or not device.cache_bytes_per_s:
+        return None
+    passes = [t for t in pass_traffic(region, rules, examples) if t.moved]
+    if not passes or all(t.working(1.0) <= device.cache_bytes for t in passes):
+        return None
+    most = region.most_slices
+    counts = [k for k in (2 ** i for i in range(1, most.bit_length())) if k < most] + [most]
+    for k in counts:
+        fraction = _fraction(region, k)
+        if all(t.working(fraction) <= device.cache_bytes for t in passes):
+            return k
+    return None
+
+
+def _fraction(region: ChunkRegion, slices: int) -> float:
+    sizes = region.sizes_for(slices)
+    return max(sizes) / sum(sizes)
+
+
+def pass_traffic(region: ChunkRegion, rules: RuleSet, examples: dict[str, int]) -> list[Traffic]:
+    """Each pass's Traffic: its phases', or the region's as one pass."""
+    kept = _kept(region)
+    out = []
+    for nodes, inputs, outputs in _passes(region):
+        recomputed = {id(n) for phase in region.phases if phase.nodes is nodes for n in phase.recomputed}
+        leaving = {id(v) for v in outputs} | region.built_whole | kept
+        own = _traffic(region, nodes, inputs, leaving, rules.views, examples)
+        packed = reread = again = 0.0
+        for v in inputs:
+            if region.meta_of(v).dim is not None and any(id(n) in recomputed for n in v.users):
+                again += _size(v.nbytes, examples)
+        for v, by_matmul in _read_whole(region, nodes, inputs, rules):
+            if by_matmul:
+                packed += _size(v.nbytes, examples)
+            else:
+                reread += _size(v.nbytes, examples)
+        summed = sum(_size(o.nbytes, examples) for o in outputs if region.meta_of(o).need_sum)
+        out.append(Traffic(own.moved, own.sliced, own.whole + packed + reread, summed, packed, reread, again,
+                           len(nodes)))
+    return out
+
+
+def unchunked_traffic(region: ChunkRegion, rules: RuleSet, examples: dict[str, int]) -> Traffic:
+    """The Traffic of the region's own values run whole, each node once."""
+    leaving = {id(v) for v in region.outputs} | region.built_whole | _kept(region)
+    return _traffic(region, region.nodes, region.inputs, leaving, rules.views, examples)
+
+
+def _kept(region: ChunkRegion) -> set[int]:
+    """Values a pass reads from an earlier one (a dropout's mask): whole, in both."""
+    made = {id(o) for n in region.nodes for o in n.outputs if o is not None}
+    return {id(v) for phase in region.phases for v in phase.inputs if id(v) in made}
+
+
+def _traffic(region: ChunkRegion, nodes: list[Node], inputs: list[Value], leaving: set[int],
+             views: frozenset[str], examples: dict[str, int]) -> Traffic:
+    ran = {id(n) for n in nodes}
+    moved = sliced = whole = 0.0
+    for v in inputs:
+        if region.meta_of(v).dim is not None:
+            sliced += _size(v.nbytes, examples)
+    for node in nodes:
+        if is_view(node, views):
+            continue
+        for v in node.outputs:
+            if v is None or not v.materialized:
+                continue
+            size = _size(v.nbytes, examples)
+            if region.meta_of(v).dim is None:
+                whole += size
+                continue
+            sliced += size
+            if id(v) not in leaving:
+                moved += size * (1 + _readers(v, ran, views))
+    return Traffic(moved, sliced, whole)
+
+
+def _passes(region: ChunkRegion) -> list[tuple[list[Node], list[Value], list[Value]]]:
+    """(nodes, inputs, outputs) of each pass over the slices: its phases, or the region as one."""
+    if region.phases:
+        return [(p.nodes, p.inputs, p.outputs) for p in region.phases]
+    return [(region.nodes, region.inputs, region.outputs)]
+
+
+def _readers(v: Value, ran: set[int], views: frozenset[str]) -> int:
+    """Nodes of a pass (`ran`) that read `v`, through views of it."""
+    count = 0
+    for user in v.users:
+        if id(user) not in ran:
+            continue
+        if is_view(user, views):
+            count += sum(_readers(o, ran, views) for o in user.outputs if o is not None)
+        else:
+            count += 1
+    return count
+
+
+def whole_inputs(region: ChunkRegion, rules: RuleSet) -> list[Value]:
+    """What each pass over a slice reads whole from outside it, once per pass that reads it."""
+    return [v for nodes, inputs, _ in _passes(region) for v, _ in _read_whole(region, nodes, inputs, rules)]
+
+
+def _read_whole(region: ChunkRegion, nodes: list[Node], inputs: list[Value], rules: RuleSet) -> list[tuple[Value, bool]]:
+    """The inputs of a pass that each slice reads whole, and whether a matmul reads it: not
+    sliced, not a running sum, and read for its values, not for its shape alone (TYPE_ONLY) or
+    only where a sliced index points (a gather's table, INDEXED: the experts' weights a slice of
+    token slots gathers). On a CPU a matmul packs such an operand at every call (measured, linear
+    + cross-entropy at vocab 32768: 16 slices of its matmuls took 146 ms more than 2, 28 more
+    calls on a 32 MiB weight: 6-7 GB/s, where the memory bandwidth is 44)."""
+    out = []
+    for v in inputs:
+        meta = region.meta_of(v)
+        if meta.dim is not None or meta.need_sum:
+            continue
+        kinds = [kind_of(rules, n) for n in nodes for i, x in enumerate(n.inputs) if x is v and _reads_whole(n, i, rules)]
+        if kinds:
+            out.append((v, "matmul" in kinds))
+    return out
+
+
+def _reads_whole(node: Node, position: int, rules: RuleSet) -> bool:
+    kind = kind_of(rules, node)
+    return position not in TYPE_ONLY.get(kind, ()) and position not in INDEXED.get(kind, ())
 
 
 def graph_seconds(nodes: list[Node], rules: RuleSet, examples: dict[str, int], device: DeviceProfile) -> float:

@@ -1,7 +1,8 @@
 """Device profiles: what turns FLOPs, bytes moved and kernel launches into seconds.
 
 A profile is a FLOP rate for float32 work, one for 16-bit work, a memory bandwidth, the rate at
-which a kernel takes in an operand it reads whole, and the fixed cost of one kernel. The GPU
+which a kernel takes in an operand it reads whole, the fixed cost of one kernel, and the cache a
+working set can stay in, with its rate (`cache_bytes`, `cache_bytes_per_s`). The GPU
 presets are the vendors' dense peak figures derated to what a training step sustains, and a
 launch cost typical of a CUDA kernel from a compiled graph; the CPU profile is measured on the
 machine once and cached (backends/device.py), since CPUs differ too much for a table.
@@ -29,6 +30,12 @@ class DeviceProfile:
     # How fast a kernel takes in an operand it reads whole, a matmul's weight: a chunk region's
     # every slice reads (a CPU's matmul also packs) it again. None: at the memory bandwidth.
     operand_bytes_per_s: float | None = None
+    # The working set whose reads and writes stay in the cache, and the rate they go at there.
+    # A chunk region's values that one kernel writes and the next reads move at the memory
+    # bandwidth when they are whole and larger than this, at the cache's rate when a slice of
+    # them fits (`cached_share`). None: not modelled (the GPU presets: unmeasured).
+    cache_bytes: int | None = None
+    cache_bytes_per_s: float | None = None
 
     def seconds(self, flops: float, moved: float, kernels: float, half_flops: float = 0.0,
                 reread: float = 0.0) -> float:
@@ -37,6 +44,21 @@ class DeviceProfile:
         return (flops / self.flops_per_s + half_flops / (self.half_flops_per_s or self.flops_per_s)
                 + moved / self.bytes_per_s + reread / (self.operand_bytes_per_s or self.bytes_per_s)
                 + kernels * self.launch_s)
+
+    def cached_share(self, working: float) -> float:
+        """The share of the traffic of a working set of `working` bytes that the cache serves:
+        all of it up to `cache_bytes`, `cache_bytes / working` beyond. (This CPU, a copy of
+        working sets of 16, 32, 64 and 256 MiB through a 32 MiB last-level cache whose half is
+        `cache_bytes`: 114, 49, 40 and 35 GB/s; the share gives 115, 59, 47 and 42.)"""
+        if not self.cache_bytes or not self.cache_bytes_per_s or working <= 0:
+            return 0.0
+        return min(1.0, self.cache_bytes / working)
+
+    def moving_seconds(self, moved: float, share: float) -> float:
+        """Seconds `moved` bytes take when `share` of them stay in the cache, the rest at the
+        memory bandwidth."""
+        cached = share * moved if self.cache_bytes_per_s else 0.0
+        return (moved - cached) / self.bytes_per_s + (cached / self.cache_bytes_per_s if cached else 0.0)
 
     def with_tf32(self) -> "DeviceProfile":
         """This profile where float32 matmuls may run on TF32 tensor cores."""

@@ -3,7 +3,9 @@
 One binary per option (a recompute region on or off; a chunk region at one slice count of a
 small menu, at most one count per region). Minimize the summed extra seconds subject to the
 curve at every step that can exceed the budget: live(s) + sum of the chosen options' deltas
-at s <= budget. Effects are assumed additive; the caller re-simulates the chosen set.
+at s <= budget. Effects are assumed additive; the caller re-simulates the chosen set. An option may cost less
+than nothing (a chunk region whose slices stay in the cache, engine.budget.cost.traffic_seconds): it
+is taken whatever the budget, as the fastest step that fits.
 """
 from __future__ import annotations
 
@@ -115,17 +117,20 @@ def solve(live: list[int], options: list[Option], budget: int,
             if delta > 0:
                 positive[first:last + 1] += delta
     rows = [s for s, v in enumerate(live) if v + positive[s] > budget]
-    if not rows:
+    # An option that saves time (a chunk whose slices stay in the cache) is taken under any budget.
+    if not rows and all(o.seconds >= 0 for o in options):
         return []
     if not options:
         return None
-    a, heights = _constraints(options, live, rows)
     n = len(options)
     families = _families(options) if partial_cost > 0 else []
     # Variables: the options, then per family `all` (every member on), `any` (one or more on) and
     # `partial` (>= any - all), which is what costs.
     width = n + 3 * len(families)
-    blocks = [(np.hstack([a, np.zeros((len(a), width - n))]), -np.inf, budget - heights)]
+    blocks = []
+    if rows:
+        a, heights = _constraints(options, live, rows)
+        blocks.append((np.hstack([a, np.zeros((len(a), width - n))]), -np.inf, budget - heights))
     exclusive = _groups(options, list(conflicts))
     if exclusive:
         blocks.append((np.hstack([np.array(exclusive), np.zeros((len(exclusive), width - n))]), -np.inf, 1))

@@ -5,10 +5,10 @@
 grows from a chunk rule's match (its docstring says how).
 """
 from .grow import grow_chunk
-from .kinds import CHUNK_KINDS, TYPE_ONLY, DimMap, Refused, dim_map, reshape_map
+from .kinds import CHUNK_KINDS, INDEXED, TYPE_ONLY, DimMap, Refused, dim_map, reshape_map
 from .region import (ChunkMeta, ChunkPhase, ChunkRegion, Rows, even_slices, grouped, inside_groups, shifted_edges,
                      slice_sizes)
 
-__all__ = ["CHUNK_KINDS", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
+__all__ = ["CHUNK_KINDS", "INDEXED", "TYPE_ONLY", "ChunkMeta", "ChunkPhase", "ChunkRegion", "DimMap",
            "Refused", "Rows", "dim_map", "even_slices", "grouped", "grow_chunk", "inside_groups", "reshape_map",
            "shifted_edges", "slice_sizes"]

@@ -69,6 +69,9 @@ CHUNK_KINDS = {
 TYPE_ONLY = {"like": {0}, "shape": {0}, "cast_like": {1}}
 # Of those, the inputs read for their element type alone: a slice serves as well as the whole.
 DTYPE_ONLY = {"cast_like": {1}}
+# Inputs an op of a kind reads only where its index points (a gather's data): a slice of the
+# index reads the rows it picks, never the whole input.
+INDEXED = {"gather_elements": {0}, "gather_nd": {0}}
 
 # The operands each kind reads by position: a node with fewer is refused, not indexed past.
 MIN_INPUTS = {"matmul": 2, "cast_like": 2, "gather_elements": 2, "scatter_elements": 2, "fill": 0, "shape": 1,
