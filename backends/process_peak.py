@@ -4,6 +4,8 @@ before it is the peak above rest (run with MALLOC_MMAP_THRESHOLD_=65536 so freed
 the process); on a GPU, torch.cuda.max_memory_allocated after a reset."""
 from __future__ import annotations
 
+import gc
+
 
 def proc_status() -> dict[str, int]:
     """The kB fields of /proc/self/status."""
@@ -17,7 +19,11 @@ def proc_status() -> dict[str, int]:
 
 
 def reset_peak(cuda: bool) -> int:
-    """Start measuring: the bytes in use now (the rest the peak is measured above)."""
+    """Start measuring: the bytes in use now (the rest the peak is measured above). What earlier
+    work (a compile) left in reference cycles is freed first: otherwise whether the collector ran
+    before or during the measured step moved its peak (30 MiB, remat at 172 MiB on the GPT-like
+    step of bench/budget.py, with a few more objects made while compiling)."""
+    gc.collect()
     if cuda:
         import torch
 

@@ -190,7 +190,7 @@ def child(name: str, args) -> dict:
     for k in range(2):
         begin = time.perf_counter()
         if k == 1 and varying:
-            del estimates[:]        # the peak model's estimate: of the graph the measured steps run
+            estimates.clear()       # the peak model's estimate: of the graph the measured steps run
         step(short if varying and k == 0 else inputs)
         clear()
         if device.type == "cuda":
@@ -221,7 +221,7 @@ def child(name: str, args) -> dict:
     compiling = warmup if varying else warmup[:1]
     return {"name": name, "peak": peak, "rest": rest, "seconds": seconds,
             "compile_seconds": max(0.0, sum(compiling) - len(compiling) * seconds),
-            "estimate": sum(estimates) / 2**20 if estimates else None,
+            "estimate": sum(estimates.values()) / 2**20 if estimates else None,
             "extra_estimate": sum(c.extra_seconds for c in planned.remat_pass.choices) if planned else None}
 
 
@@ -237,19 +237,24 @@ def saved_error(path: Path, ref: dict) -> float:
     return max(relative_error(a, b) for a, b in pairs)
 
 
-def estimate_partitions() -> list[int]:
+def estimate_partitions() -> dict[tuple, int]:
     """The peak model's estimate (backends.fx.peak) of each graph Inductor partitions in this
-    process, taken on the forward and backward graphs the partitioner returns."""
+    process, taken on the forward and backward graphs the partitioner returns, by the joint
+    graph's inputs: a graph compiled again (remat's backend plans a graph again where Inductor's
+    account of its code is over the budget) replaces its earlier estimate, which the step never
+    runs (summed, a replanned graph's two estimates read 2x the measured peak)."""
     import torch._inductor.compile_fx as compile_fx
 
     from backends.fx.peak import step_graph, step_peak
 
-    estimates: list[int] = []
+    estimates: dict[tuple, int] = {}
     partition = compile_fx.min_cut_rematerialization_partition
 
     def partition_and_estimate(joint, joint_inputs, **kwargs):
         forward, backward = partition(joint, joint_inputs, **kwargs)
-        estimates.append(step_peak(step_graph(forward, backward, kwargs["num_fwd_outputs"])))
+        inputs = tuple((n.name, tuple(getattr(n.meta.get("val"), "shape", ()))) for n in joint.graph.nodes
+                       if n.op == "placeholder")
+        estimates[inputs] = step_peak(step_graph(forward, backward, kwargs["num_fwd_outputs"]))
         return forward, backward
 
     compile_fx.min_cut_rematerialization_partition = partition_and_estimate

@@ -197,6 +197,36 @@ def test_decomposed_op_folds_into_one_node_only_when_contiguous():
     assert [n.op for n in kept.nodes] == ["Exp", "Neg", "Mul", "Add"]
 
 
+def test_fills_import_with_the_number_every_element_holds():
+    """`Value.filled` from ATen's fills (full, full_like, zeros_like, scalar_tensor) and from a
+    number an op reads as an operand (`where(mask, g, 0)`'s zero), so the engine finds a
+    gradient's zeros without ATen's argument positions; nothing else is a fill."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4)
+    made = {}
+    for name, target, args in (("full", torch.ops.aten.full.default, ([4], 0.0)),
+                               ("full_like", torch.ops.aten.full_like.default, (x, 2.5)),
+                               ("zeros_like", torch.ops.aten.zeros_like.default, (x,)),
+                               ("scalar", torch.ops.aten.scalar_tensor.default, (1.0,))):
+        made[name] = g.call_function(target, args)
+        made[name].meta["val"] = torch.zeros(4) if name != "scalar" else torch.tensor(1.0)
+    mask = g.call_function(torch.ops.aten.gt.Scalar, (x, 0.0))
+    mask.meta["val"] = torch.ones(4, dtype=torch.bool)
+    picked = g.call_function(torch.ops.aten.where.ScalarOther, (mask, made["full_like"], 0.0))
+    picked.meta["val"] = torch.randn(4)
+    total = g.call_function(torch.ops.aten.add.Tensor, (picked, made["full"]))
+    total.meta["val"] = torch.randn(4)
+    g.output((total, made["zeros_like"], made["scalar"]))
+    graph = import_fx(g)
+    filled = {n.backend_nodes[0]: n.outputs[0].filled for n in graph.nodes}
+    assert filled == {"full_default": 0.0, "full_like_default": 2.5, "zeros_like_default": 0.0,
+                      "scalar_tensor_default": 1.0, "gt_scalar": None,
+                      "where_scalar_other": None, "add_tensor": None}
+    where = next(n for n in graph.nodes if n.backend_nodes == ["where_scalar_other"])
+    assert [v.filled for v in where.inputs][1:] == [2.5, 0.0]       # the literal zero is a fill
+
+
 def test_a_torch_compile_mode_reaches_inductor_through_the_registered_backend(fresh_compiles, monkeypatch):
     """torch.compile(mode=...) gives a registered backend its mode: remat compiles under the
     mode's Inductor settings (reduce-overhead: CUDA graphs, which Inductor skips on a CPU), and

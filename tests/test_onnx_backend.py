@@ -109,17 +109,23 @@ def test_empty_list_attribute_roundtrips():
 
 def test_fills_import_with_the_number_every_element_holds():
     """`Value.filled`: a ConstantOfShape's value, ONNX's zero where it gives none (AOTAutograd's
-    exports start the experts' gradients so), a one-element Constant's (or its `value_float`); not a longer Constant's."""
+    exports start the experts' gradients so), a one-element Constant's or initializer's (or its
+    `value_float`), small integers all the same; not a Constant of different numbers."""
     h, T = onnx.helper, onnx.TensorProto
     shape = h.make_node("Constant", [], ["shape"], value=h.make_tensor("s", T.INT64, [2], [3, 4]))
     nodes = [shape, h.make_node("ConstantOfShape", ["shape"], ["zeros"]),
              h.make_node("ConstantOfShape", ["shape"], ["twos"], value=h.make_tensor("v", T.FLOAT, [1], [2.0])),
              h.make_node("Constant", [], ["half"], value=h.make_tensor("c", T.FLOAT, [], [0.5])),
              h.make_node("Constant", [], ["nought"], value_float=0.0),
+             h.make_node("Constant", [], ["pads"], value_ints=[0, 0]),
              h.make_node("Add", ["zeros", "twos"], ["a"]), h.make_node("Add", ["a", "half"], ["b"]),
-             h.make_node("Add", ["b", "nought"], ["y"])]
-    graph = h.make_graph(nodes, "fills", [], [h.make_tensor_value_info("y", T.FLOAT, [3, 4])])
+             h.make_node("Add", ["b", "nought"], ["c"]), h.make_node("Mul", ["c", "three"], ["y"])]
+    graph = h.make_graph(nodes, "fills", [], [h.make_tensor_value_info("y", T.FLOAT, [3, 4])],
+                         initializer=[h.make_tensor("three", T.FLOAT, [1], [3.0])])
     imported = import_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]))
     filled = {o.name: o.filled for n in imported.nodes for o in n.outputs}
-    assert filled == {"shape": None, "zeros": 0.0, "twos": 2.0, "half": 0.5, "nought": 0.0, "a": None, "b": None,
-                      "y": None}
+    assert filled == {"shape": None, "zeros": 0.0, "twos": 2.0, "half": 0.5, "nought": 0.0, "pads": 0.0,
+                      "a": None, "b": None, "c": None, "y": None}
+    values = {v.name: v for v in imported.values()}
+    assert values["three"].filled == 3.0
+    assert values["twos"].ints is None and values["pads"].ints == [0, 0]

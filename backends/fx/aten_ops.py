@@ -52,6 +52,10 @@ EXPLICIT_DEFAULTS = {op: {"dropout_p": 0.0, "is_causal": False} for op in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")}
 KEYWORD_ATTRIBUTES = {"keepdim": "keepdims", "dim": "axes"}
+# Ops whose every element is one number: the canonical attribute that holds it, or the number
+# (the importer sets Value.filled, so the engine knows a gradient's zeros without ATen's arguments).
+FILLS = {"full": "value", "scalar_tensor": "value", "full_like": "value", "new_full": "fill_value",
+         "zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "ones": 1.0, "ones_like": 1.0, "new_ones": 1.0}
 
 
 def canonical_attributes(base: str, attrs: dict, rank: int | None) -> dict:

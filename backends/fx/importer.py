@@ -23,7 +23,7 @@ from engine.errors import GraphError
 from engine.ir import Graph, Node, SliceSizes, Value
 from engine.shapes import free_dims, parse_dim
 
-from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, OPERAND_ORDER, SCALAR_OPERANDS, canonical_attributes
+from .aten_ops import ATEN_TO_ONNX, ATTRIBUTE_ARGS, FILLS, OPERAND_ORDER, SCALAR_OPERANDS, canonical_attributes
 
 # An fx node's meta key for the plan whose rewrite made or tagged it (backends/fx/compile.py): the
 # IR node's `plan`.
@@ -439,6 +439,7 @@ def _plain_node(fx_node: fx.Node, values: dict, literals: list[Value]) -> Node:
     else:
         outs = [_value(fx_node.name, example)]
         values[fx_node] = outs[0]
+        outs[0].filled = _fill(base, attrs)
     original = fx_node.meta.get("original_aten")
     decomposed = original is not None and original != fx_node.target and _base_name(original) in ATEN_TO_ONNX
     return Node(op, tensor_args, outs, attrs, fx_node.name, native_op=f"aten::{base}",
@@ -455,14 +456,20 @@ def _scope(fx_node: fx.Node) -> str | None:
     return path[len("L['self']."):] if path.startswith("L['self'].") else path
 
 
+def _fill(base: str, attrs: dict) -> float | None:
+    """The number every element of a fill holds (FILLS), where the op is one and it is a number."""
+    fill = FILLS.get(base)
+    number = attrs.get(fill) if isinstance(fill, str) else fill
+    return float(number) if isinstance(number, (bool, int, float)) else None
+
+
 def _literal(name: str, number: bool | int | float, example: Any, args: tuple) -> Value:
     """A Python number an ATen op reads as an operand, as a constant 0-d value of the type the
     op computes in (that of its output, or for a comparison, of its tensor operand)."""
     like = example if isinstance(example, torch.Tensor) and example.dtype is not torch.bool else next(
         (a.meta.get("val") for a in args if isinstance(a, fx.Node)), None)
     dtype = _DTYPES.get(like.dtype, DType.UNKNOWN) if isinstance(like, torch.Tensor) else DType.UNKNOWN
-    value = Value(name, dtype, (), is_initializer=True, data=np.asarray(number), literal=True)
-    return value
+    return Value(name, dtype, (), is_initializer=True, data=np.asarray(number), literal=True, filled=float(number))
 
 
 def _forward_outputs(output: fx.Node, values: dict, count: int | None) -> list[str]:

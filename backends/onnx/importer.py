@@ -395,32 +395,41 @@ def _attribute_value(op_type: str, attr: onnx.AttributeProto) -> Any:
 _SMALL_INTS = 16
 
 
-def _note_small_ints(v: Value, tensor: onnx.TensorProto) -> None:
+def _note_tensor(v: Value, tensor: onnx.TensorProto) -> None:
     """A small integer constant (axes, a shape) goes into `Value.ints`, so the engine reads
-    it without ONNX."""
+    it without ONNX; a one-element constant, or small integers all the same, into
+    `Value.filled`."""
     if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
         array = onnx.numpy_helper.to_array(tensor)
         if array.size <= _SMALL_INTS:
             v.ints = [int(x) for x in array.reshape(-1)]
+            if v.ints and len(set(v.ints)) == 1:
+                v.filled = float(v.ints[0])
+    elif math.prod(tensor.dims) == 1:       # by its dims first: not every constant to an array
+        array = onnx.numpy_helper.to_array(tensor)
+        if array.dtype.kind in "fub":
+            v.filled = float(array.reshape(-1)[0])
 
 
 def _note_fill(node: Node) -> None:
-    """`Value.filled` for a ConstantOfShape (its `value`, or ONNX's default zero) and a one-element
-    Constant."""
+    """`Value.filled` for a ConstantOfShape (its `value`, or ONNX's default zero) and a Constant of
+    one number (`value_float`, `value_int`, or lists of one number; a tensor `value`:
+    `_note_tensor`)."""
     out = node.outputs[0] if node.outputs else None
-    if out is None or node.op not in ("ConstantOfShape", "Constant"):
+    if out is None:
         return
-    value = node.attrs.get("value")
-    scalar = next((node.attrs[k] for k in ("value_float", "value_int") if k in node.attrs), None)
-    if scalar is not None:
-        out.filled = float(scalar)
-    elif value is None:
-        out.filled = 0.0 if node.op == "ConstantOfShape" else None
-    elif isinstance(value, onnx.TensorProto) and math.prod(value.dims) == 1:
-        # by its dims first: exporters write constants of many elements (index tables) too
-        array = onnx.numpy_helper.to_array(value)
-        if array.dtype.kind in "fiub":
-            out.filled = float(array.reshape(-1)[0])
+    numbers = next((node.attrs[k] for k in ("value_float", "value_int", "value_floats", "value_ints")
+                    if k in node.attrs), None)
+    numbers = [numbers] if isinstance(numbers, (int, float)) else list(numbers or [])
+    if node.op == "Constant" and numbers and len(set(numbers)) == 1:
+        out.filled = float(numbers[0])
+    elif node.op == "ConstantOfShape":
+        value = node.attrs.get("value")
+        if value is None:
+            out.filled = 0.0
+        elif isinstance(value, onnx.TensorProto):
+            _note_tensor(out, value)
+            out.ints = None         # the fill's one number, not the output's elements
 
 
 def _note_constant_ints(node: Node) -> None:
@@ -430,7 +439,7 @@ def _note_constant_ints(node: Node) -> None:
     out = node.outputs[0] if node.outputs else None
     if node.op == "Constant":
         if isinstance(node.attrs.get("value"), onnx.TensorProto):
-            _note_small_ints(out, node.attrs["value"])
+            _note_tensor(out, node.attrs["value"])
         elif "value_ints" in node.attrs and len(node.attrs["value_ints"]) <= _SMALL_INTS:
             out.ints = [int(x) for x in node.attrs["value_ints"]]
         elif "value_int" in node.attrs:
@@ -477,7 +486,7 @@ def _import_graph(proto: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
     for init in proto.initializer:
         v = Value(init.name, to_ir(init.data_type), tuple(int(d) for d in init.dims),
                   is_initializer=True, data=init)
-        _note_small_ints(v, init)
+        _note_tensor(v, init)
         scope[init.name] = v
         initializers.append(v)
     inputs = []

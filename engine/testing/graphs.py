@@ -49,12 +49,15 @@ class GraphBuilder:
         return v
 
     def const(self, value: Any, dtype: Any = np.float32, base: str = "c") -> Value:
-        """A constant (an initializer holding a numpy array; small integer ones also as `ints`)."""
+        """A constant (an initializer holding a numpy array; small integer ones also as `ints`,
+        and one whose elements are all one number as `filled`)."""
         array = np.asarray(value, dtype=dtype)
         dt = next(d for d, t in NUMPY.items() if np.dtype(t) == array.dtype)
         v = Value(self._name(base), dt, tuple(array.shape), is_initializer=True, data=array)
         if array.dtype.kind == "i" and array.size <= 16:
             v.ints = [int(x) for x in array.reshape(-1)]
+        if array.size and array.dtype.kind in "fiub" and (array.size == 1 or (array == array.flat[0]).all()):
+            v.filled = float(array.flat[0])
         self.weights.append(v)
         return v
 

@@ -91,22 +91,13 @@ _ZERO_KEEPING = {"Identity", "Cast", "Transpose", "Expand", "Reshape", "Unsqueez
 
 def _zero(v: Value) -> bool:
     """Zeros made from nothing (the untaken branch of a masked gradient, the zeros a gradient is
-    scattered into): a zero constant, a zero fill, or either through ops that keep zeros."""
+    scattered into): a value the importer marked a fill of zeros (`Value.filled`: a zero
+    constant, ONNX's ConstantOfShape, ATen's full), or one through ops that keep zeros."""
     p = v.producer
     while p is not None and p.op_type in _ZERO_KEEPING and p.inputs and p.inputs[0] is not None:
         v = p.inputs[0]
         p = v.producer
-    if v.filled is not None or v.ints is not None:
-        return v.filled == 0 if v.filled is not None else all(x == 0 for x in v.ints)
-    if p is None:
-        return v.data is not None and getattr(v.data, "size", 0) == 1 and float(v.data.reshape(-1)[0]) == 0
-    if any(True for _ in p.present_inputs()):
-        return False
-    fill = p.attrs.get("value")
-    try:
-        return float(fill) == 0
-    except (TypeError, ValueError):
-        return False
+    return v.filled == 0
 
 
 def _broadcasts_alike(operand: Value, value: Value, like: Value, dim: int | None) -> bool:
