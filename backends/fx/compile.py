@@ -47,7 +47,7 @@ from engine.failures import PlanFailure, at_site, resolve_strict
 from engine.ir import Graph
 from engine.matcher import Reason, longer_examples
 from engine.patterns import RuleSet
-from engine.budget import BudgetError, Choice, parse_budget, parse_ratio
+from engine.budget import BudgetError, Choice, DeviceProfile, parse_budget, parse_ratio
 from engine.budget.spec import FREE_HEADROOM
 from engine.errors import ConfigError
 from engine.plans import parse_config
@@ -475,7 +475,7 @@ class RematPass(CustomGraphPass):
         """The rewrite of the builder's graph, on a working copy the builder commits or drops: the
         rules, the config or the budget (planned for `device`, else where the graph's inputs are),
         less the cut an earlier compile of the graph (`key`) found its simulation low by."""
-        device = None if self.budget is None else profile_for(self.device or _device_of(builder.graph))
+        device = None if self.budget is None else uncached(profile_for(self.device or _device_of(builder.graph)))
         cut = self.cuts.get(key) if key is not None else 0
         budget = self.budget if not cut else replace(self.budget, cut=cut)
         # Not strict, a budget no plans meet still compiles: with the plans that reach the lowest peak.
@@ -613,6 +613,17 @@ class RematPass(CustomGraphPass):
         cuts found for this configuration (a graph planned again is not served as first compiled)."""
         key = self._config_key(self.budget) + (f"|cuts {self.cuts.digest()}" if self.budget is not None else "")
         return hashlib.sha256(key.encode()).hexdigest()
+
+
+def uncached(profile: DeviceProfile) -> DeviceProfile:
+    """The profile with no cache modelled, as the planner weighs chunks for Inductor's code. The
+    cache term (engine.budget.cost.chunk_seconds) was measured on ONNX Runtime, which runs a
+    chunk's nodes as kernels of their own; Inductor fuses them, and on the GPT-like step of
+    `bench/budget.py --torch` (session 47) the term moved the planner, at a budget of 185 MiB
+    (0.4x compile's peak), to attention chunks of two slices in three layers of four: a mix whose
+    peak remat's model put at 182.2 MiB and that measured 205.5. Unmeasured on Inductor, and
+    leading its planner where its peak model is weakest, it is left out there."""
+    return replace(profile, cache_bytes=None, cache_bytes_per_s=None)
 
 
 def _device_of(graph: fx.Graph) -> str:

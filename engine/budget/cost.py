@@ -62,23 +62,35 @@ def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: di
     """What a region costs in `slices` slices more than whole, pass by pass: the launches of
     `slices - 1` more runs of its nodes; the partial sums added up slice by slice; the inputs
     every slice reads whole read again (a matmul's operand at the rate it takes one in, the
-    weight of the loss's matmuls); a two-phase region's forward nodes run again; and what the
-    region's own values take to move in slices against whole. Bytes move in the cache for the
-    share of a pass's working set it holds (DeviceProfile.cached_share), at the memory bandwidth
-    for the rest: where a slice stays in the cache and the whole did not, the total may be
+    weight of the loss's matmuls); and a two-phase region's forward nodes run again.
+
+    Where the profile models a cache, bytes move in it for the share of a pass's working set it
+    holds (DeviceProfile.cached_share), at the memory bandwidth for the rest, and what the
+    region's own values take to move in slices is weighed against what they take whole
+    (`traffic_seconds`): where a slice stays in the cache and the whole did not, the total may be
     negative, a chunk that makes the step faster (measured on a mixture-of-experts step through
     ONNX Runtime on this 2-core CPU, the experts' gathered weights, 1 GiB, chunked: 8 MiB slices
-    ran it at 0.63x the unchunked graph's time, 64 MiB at 0.93x, 256 MiB at 1.00x)."""
+    ran it at 0.63x the unchunked graph's time, 64 MiB at 0.93x, 256 MiB at 1.00x). Where it
+    does not, the nodes run again move the bytes their cost formulas say, at the bandwidth."""
     fraction, more = _fraction(region, slices), slices - 1
-    flops, half, _ = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
-    total = device.seconds(flops, 0.0, 0, half)
+    flops, half, moved = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
+    cached = bool(device.cache_bytes and device.cache_bytes_per_s)
+    total = device.seconds(flops, 0.0 if cached else moved, 0, half)
     for t in pass_traffic(region, rules, examples):
         share = device.cached_share(t.working(fraction))
         total += (device.seconds(0.0, 0.0, t.nodes * more, reread=t.packed * more)
-                  + device.moving_seconds(t.moved + (2 * t.summed + t.reread) * more, share)
-                  + device.moving_seconds(t.again, 0.0))
+                  + device.moving_seconds((2 * t.summed + t.reread) * more, share))
+    return total + (traffic_seconds(region, fraction, rules, examples, device) if cached else 0.0)
+
+
+def traffic_seconds(region: ChunkRegion, fraction: float, rules: RuleSet, examples: dict[str, int],
+                    device: DeviceProfile) -> float:
+    """Seconds the region's own values take to move in slices of `fraction` of the whole (and
+    what the nodes run again read again), less what they take in the unchunked region."""
+    chunked = sum(device.moving_seconds(t.moved, device.cached_share(t.working(fraction)))
+                  + device.moving_seconds(t.again, 0.0) for t in pass_traffic(region, rules, examples))
     whole = unchunked_traffic(region, rules, examples)
-    return total - device.moving_seconds(whole.moved, device.cached_share(whole.working(1.0)))
+    return chunked - device.moving_seconds(whole.moved, device.cached_share(whole.working(1.0)))
 
 
 @dataclass(frozen=True)
