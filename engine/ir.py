@@ -52,8 +52,9 @@ class Value:
     # memory curve gives it no bytes.
     materialized: bool = field(default=True, repr=False)
     # Every element of the value is this number, whatever its shape (a fill: ONNX's
-    # ConstantOfShape, a one-element Constant); importers set it, so the engine knows the zeros a
-    # gradient is scattered or padded into without reading a backend's attributes.
+    # ConstantOfShape, a one-element Constant, ATen's full and zeros_like, a number an op reads
+    # as an operand); importers set it, so the engine knows the zeros a gradient is scattered or
+    # padded into without reading a backend's attributes.
     filled: float | None = field(default=None, repr=False)
 
     @property

@@ -174,7 +174,8 @@ def test_a_chunk_whose_slices_fit_the_cache_gains_what_its_inner_traffic_saves_t
     that keeps every one of those values in its kernels' registers, gains nothing."""
     from dataclasses import replace
 
-    from engine.budget.cost import cache_fitting_slices, chunk_seconds, pass_traffic, unchunked_traffic
+    from engine.budget.cost import (cache_fitting_slices, chunk_seconds, pass_traffic, region_traffic,
+                                    unchunked_traffic)
 
     graph, region = _loss_head_region()
     cpu = replace(preset("cpu-default"), bytes_per_s=40e9, cache_bytes=16 * 2 ** 20, cache_bytes_per_s=115e9)
@@ -186,7 +187,7 @@ def test_a_chunk_whose_slices_fit_the_cache_gains_what_its_inner_traffic_saves_t
     # the weight the matmuls read whole, as it is and transposed
     assert one.summed >= 64 * 8192 * 4 and one.packed == 2 * 64 * 8192 * 4
     assert 0 <= one.whole - (one.summed + one.packed + one.reread) < 1024
-    fits = cache_fitting_slices(region, RULES, examples, cpu)
+    fits = cache_fitting_slices(region, region_traffic(region, RULES, examples), cpu)
     assert fits is not None and one.working(1 / fits) <= cpu.cache_bytes < one.working(2 / fits)
     no_cache = replace(cpu, cache_bytes=None)
     gains = [chunk_seconds(region, k, RULES, examples, no_cache) - chunk_seconds(region, k, RULES, examples, cpu)
@@ -201,7 +202,7 @@ def test_a_chunk_whose_slices_fit_the_cache_gains_what_its_inner_traffic_saves_t
         assert gain == pytest.approx(inner + sums)
     assert chunk_seconds(region, fits, RULES, examples, preset("cpu-default")) == \
         chunk_seconds(region, fits, RULES, examples, replace(preset("cpu-default"), cache_bytes=2 ** 40))
-    assert cache_fitting_slices(region, RULES, examples, preset("cpu-default")) is None
+    assert cache_fitting_slices(region, region_traffic(region, RULES, examples), preset("cpu-default")) is None
     for v in graph.values():      # every value fused into the kernel that reads it: no inner traffic
         v.materialized = False
     assert pass_traffic(region, RULES, examples)[0].moved == unchunked_traffic(region, RULES, examples).moved == 0

@@ -397,18 +397,24 @@ _SMALL_INTS = 16
 
 def _note_tensor(v: Value, tensor: onnx.TensorProto) -> None:
     """A small integer constant (axes, a shape) goes into `Value.ints`, so the engine reads
-    it without ONNX; a one-element constant, or small integers all the same, into
-    `Value.filled`."""
+    it without ONNX; one whose elements are all one number into `Value.filled`."""
     if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
         array = onnx.numpy_helper.to_array(tensor)
         if array.size <= _SMALL_INTS:
             v.ints = [int(x) for x in array.reshape(-1)]
-            if v.ints and len(set(v.ints)) == 1:
-                v.filled = float(v.ints[0])
-    elif math.prod(tensor.dims) == 1:       # by its dims first: not every constant to an array
-        array = onnx.numpy_helper.to_array(tensor)
-        if array.dtype.kind in "fub":
-            v.filled = float(array.reshape(-1)[0])
+    v.filled = _tensor_fill(tensor, v.ints)
+
+
+def _tensor_fill(tensor: onnx.TensorProto, ints: list[int] | None = None) -> float | None:
+    """The number every element of a constant holds: small integers (`ints`, as read) all the
+    same, or a tensor of one element (by its dims first: exporters write constants of many
+    elements, index tables, that are not converted to arrays for this); else None."""
+    if ints:
+        return float(ints[0]) if len(set(ints)) == 1 else None
+    if math.prod(tensor.dims) != 1:
+        return None
+    array = onnx.numpy_helper.to_array(tensor)
+    return float(array.reshape(-1)[0]) if array.dtype.kind in "fiub" else None
 
 
 def _note_fill(node: Node) -> None:
@@ -428,8 +434,7 @@ def _note_fill(node: Node) -> None:
         if value is None:
             out.filled = 0.0
         elif isinstance(value, onnx.TensorProto):
-            _note_tensor(out, value)
-            out.ints = None         # the fill's one number, not the output's elements
+            out.filled = _tensor_fill(value)
 
 
 def _note_constant_ints(node: Node) -> None:

@@ -21,7 +21,7 @@ from ..failures import Site
 from ..ir import Graph
 from ..plan_type import PlanType
 from ..strategies.chunk import ChunkRegion
-from .cost import cache_fitting_slices, chunk_seconds, graph_seconds, recompute_seconds
+from .cost import cache_fitting_slices, chunk_seconds, graph_seconds, recompute_seconds, region_traffic
 from .device import PRESETS, DeviceProfile, preset
 from .effects import Curve, chunk_effect, chunk_value_names, memory_curve, recompute_effect
 from .solve import Option, applied, lowest_peak, solve
@@ -104,10 +104,12 @@ def options_for(planning: Planning, curve: Curve, device: DeviceProfile) -> tupl
             site = region.match.site
             if plan.type == PlanType.CHUNK:
                 chunk_values[site] = chunk_value_names(region)
-                for k in menu(region, cache_fitting_slices(region, rules, examples, device)):
+                traffic = region_traffic(region, rules, examples)
+                for k in menu(region, cache_fitting_slices(region, traffic, device)):
                     effect = chunk_effect(region, k, curve, analysis, views)
                     if effect:
-                        options.append(Option((site, k), site, chunk_seconds(region, k, rules, examples, device),
+                        options.append(Option((site, k), site, chunk_seconds(region, k, rules, examples, device,
+                                                                             traffic),
                                               effect, family(region, k)))
             else:
                 effect = recompute_effect(region, curve, analysis, views)

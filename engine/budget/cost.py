@@ -58,7 +58,7 @@ def recompute_seconds(region: Region, rules: RuleSet, examples: dict[str, int], 
 
 
 def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: dict[str, int],
-                  device: DeviceProfile) -> float:
+                  device: DeviceProfile, traffic: RegionTraffic | None = None) -> float:
     """What a region costs in `slices` slices more than whole, pass by pass: the launches of
     `slices - 1` more runs of its nodes; the partial sums added up slice by slice; the inputs
     every slice reads whole read again (a matmul's operand at the rate it takes one in, the
@@ -71,25 +71,26 @@ def chunk_seconds(region: ChunkRegion, slices: int, rules: RuleSet, examples: di
     negative, a chunk that makes the step faster (measured on a mixture-of-experts step through
     ONNX Runtime on this 2-core CPU, the experts' gathered weights, 1 GiB, chunked: 8 MiB slices
     ran it at 0.63x the unchunked graph's time, 64 MiB at 0.93x, 256 MiB at 1.00x). Where it
-    does not, the nodes run again move the bytes their cost formulas say, at the bandwidth."""
+    does not, the nodes run again move the bytes their cost formulas say, at the bandwidth.
+    `traffic`: `region_traffic(region, rules, examples)`, where the caller costs several counts."""
+    if traffic is None:
+        traffic = region_traffic(region, rules, examples)
     fraction, more = _fraction(region, slices), slices - 1
     flops, half, moved = work([n for phase in region.phases for n in phase.recomputed], rules, examples)
-    cached = bool(device.cache_bytes and device.cache_bytes_per_s)
-    total = device.seconds(flops, 0.0 if cached else moved, 0, half)
-    for t in pass_traffic(region, rules, examples):
+    total = device.seconds(flops, 0.0 if device.caches else moved, 0, half)
+    for t in traffic.passes:
         share = device.cached_share(t.working(fraction))
         total += (device.seconds(0.0, 0.0, t.nodes * more, reread=t.packed * more)
                   + device.moving_seconds((2 * t.summed + t.reread) * more, share))
-    return total + (traffic_seconds(region, fraction, rules, examples, device) if cached else 0.0)
+    return total + (traffic_seconds(traffic, fraction, device) if device.caches else 0.0)
 
 
-def traffic_seconds(region: ChunkRegion, fraction: float, rules: RuleSet, examples: dict[str, int],
-                    device: DeviceProfile) -> float:
-    """Seconds the region's own values take to move in slices of `fraction` of the whole (and
-    what the nodes run again read again), less what they take in the unchunked region."""
+def traffic_seconds(traffic: RegionTraffic, fraction: float, device: DeviceProfile) -> float:
+    """Seconds a region's own values take to move in slices of `fraction` of the whole (and what
+    the nodes run again read again), less what they take in the unchunked region."""
     chunked = sum(device.moving_seconds(t.moved, device.cached_share(t.working(fraction)))
-                  + device.moving_seconds(t.again, 0.0) for t in pass_traffic(region, rules, examples))
-    whole = unchunked_traffic(region, rules, examples)
+                  + device.moving_seconds(t.again, 0.0) for t in traffic.passes)
+    whole = traffic.whole
     return chunked - device.moving_seconds(whole.moved, device.cached_share(whole.working(1.0)))
 
 
@@ -119,14 +120,25 @@ class Traffic:
         return self.whole + self.sliced * fraction
 
 
-def cache_fitting_slices(region: ChunkRegion, rules: RuleSet, examples: dict[str, int],
-                         device: DeviceProfile) -> int | None:
+@dataclass(frozen=True)
+class RegionTraffic:
+    """A region's Traffic, whatever its slice count: each pass's, and the unchunked region's."""
+
+    passes: list[Traffic]
+    whole: Traffic
+
+
+def region_traffic(region: ChunkRegion, rules: RuleSet, examples: dict[str, int]) -> RegionTraffic:
+    return RegionTraffic(pass_traffic(region, rules, examples), unchunked_traffic(region, rules, examples))
+
+
+def cache_fitting_slices(region: ChunkRegion, traffic: RegionTraffic, device: DeviceProfile) -> int | None:
     """The fewest slices, of powers of two and the most the region allows, at which every pass's
     working set fits the cache and the whole did not (a count the planner is offered beside its
     menu); None where no count does, or the cache is not modelled."""
-    if not device.cache_bytes or not device.cache_bytes_per_s:
+    if not device.caches:
         return None
-    passes = [t for t in pass_traffic(region, rules, examples) if t.moved]
+    passes = [t for t in traffic.passes if t.moved]
     if not passes or all(t.working(1.0) <= device.cache_bytes for t in passes):
         return None
     most = region.most_slices
@@ -143,26 +155,43 @@ def _fraction(region: ChunkRegion, slices: int) -> float:
     return max(sizes) / sum(sizes)
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One pass over the slices: a phase's nodes, inputs, outputs and the nodes it runs again."""
+
+    nodes: list[Node]
+    inputs: list[Value]
+    outputs: list[Value]
+    recomputed: list[Node]
+
+
+def _passes(region: ChunkRegion) -> list[_Pass]:
+    """Each pass over the slices: its phases, or the region as one."""
+    if region.phases:
+        return [_Pass(p.nodes, p.inputs, p.outputs, p.recomputed) for p in region.phases]
+    return [_Pass(region.nodes, region.inputs, region.outputs, [])]
+
+
 def pass_traffic(region: ChunkRegion, rules: RuleSet, examples: dict[str, int]) -> list[Traffic]:
     """Each pass's Traffic: its phases', or the region's as one pass."""
     kept = _kept(region)
     out = []
-    for nodes, inputs, outputs in _passes(region):
-        recomputed = {id(n) for phase in region.phases if phase.nodes is nodes for n in phase.recomputed}
-        leaving = {id(v) for v in outputs} | region.built_whole | kept
-        own = _traffic(region, nodes, inputs, leaving, rules.views, examples)
+    for p in _passes(region):
+        recomputed = {id(n) for n in p.recomputed}
+        leaving = {id(v) for v in p.outputs} | region.built_whole | kept
+        own = _traffic(region, p.nodes, p.inputs, leaving, rules.views, examples)
         packed = reread = again = 0.0
-        for v in inputs:
+        for v in p.inputs:
             if region.meta_of(v).dim is not None and any(id(n) in recomputed for n in v.users):
                 again += _size(v.nbytes, examples)
-        for v, by_matmul in _read_whole(region, nodes, inputs, rules):
+        for v, by_matmul in _read_whole(region, p, rules):
             if by_matmul:
                 packed += _size(v.nbytes, examples)
             else:
                 reread += _size(v.nbytes, examples)
-        summed = sum(_size(o.nbytes, examples) for o in outputs if region.meta_of(o).need_sum)
+        summed = sum(_size(o.nbytes, examples) for o in p.outputs if region.meta_of(o).need_sum)
         out.append(Traffic(own.moved, own.sliced, own.whole + packed + reread, summed, packed, reread, again,
-                           len(nodes)))
+                           len(p.nodes)))
     return out
 
 
@@ -201,13 +230,6 @@ def _traffic(region: ChunkRegion, nodes: list[Node], inputs: list[Value], leavin
     return Traffic(moved, sliced, whole)
 
 
-def _passes(region: ChunkRegion) -> list[tuple[list[Node], list[Value], list[Value]]]:
-    """(nodes, inputs, outputs) of each pass over the slices: its phases, or the region as one."""
-    if region.phases:
-        return [(p.nodes, p.inputs, p.outputs) for p in region.phases]
-    return [(region.nodes, region.inputs, region.outputs)]
-
-
 def _readers(v: Value, ran: set[int], views: frozenset[str]) -> int:
     """Nodes of a pass (`ran`) that read `v`, through views of it."""
     count = 0
@@ -223,22 +245,24 @@ def _readers(v: Value, ran: set[int], views: frozenset[str]) -> int:
 
 def whole_inputs(region: ChunkRegion, rules: RuleSet) -> list[Value]:
     """What each pass over a slice reads whole from outside it, once per pass that reads it."""
-    return [v for nodes, inputs, _ in _passes(region) for v, _ in _read_whole(region, nodes, inputs, rules)]
+    return [v for p in _passes(region) for v, _ in _read_whole(region, p, rules)]
 
 
-def _read_whole(region: ChunkRegion, nodes: list[Node], inputs: list[Value], rules: RuleSet) -> list[tuple[Value, bool]]:
+def _read_whole(region: ChunkRegion, p: _Pass, rules: RuleSet) -> list[tuple[Value, bool]]:
     """The inputs of a pass that each slice reads whole, and whether a matmul reads it: not
     sliced, not a running sum, and read for its values, not for its shape alone (TYPE_ONLY) or
     only where a sliced index points (a gather's table, INDEXED: the experts' weights a slice of
     token slots gathers). On a CPU a matmul packs such an operand at every call (measured, linear
     + cross-entropy at vocab 32768: 16 slices of its matmuls took 146 ms more than 2, 28 more
     calls on a 32 MiB weight: 6-7 GB/s, where the memory bandwidth is 44)."""
+    ran = {id(n) for n in p.nodes}
     out = []
-    for v in inputs:
+    for v in p.inputs:
         meta = region.meta_of(v)
         if meta.dim is not None or meta.need_sum:
             continue
-        kinds = [kind_of(rules, n) for n in nodes for i, x in enumerate(n.inputs) if x is v and _reads_whole(n, i, rules)]
+        readers = {id(n): n for n in v.users if id(n) in ran}.values()
+        kinds = [kind_of(rules, n) for n in readers for i, x in enumerate(n.inputs) if x is v and _reads_whole(n, i, rules)]
         if kinds:
             out.append((v, "matmul" in kinds))
     return out

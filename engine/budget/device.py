@@ -45,19 +45,24 @@ class DeviceProfile:
                 + moved / self.bytes_per_s + reread / (self.operand_bytes_per_s or self.bytes_per_s)
                 + kernels * self.launch_s)
 
+    @property
+    def caches(self) -> bool:
+        """Whether the profile models a cache (its size and rate both known)."""
+        return bool(self.cache_bytes and self.cache_bytes_per_s)
+
     def cached_share(self, working: float) -> float:
         """The share of the traffic of a working set of `working` bytes that the cache serves:
         all of it up to `cache_bytes`, `cache_bytes / working` beyond. (This CPU, a copy of
         working sets of 16, 32, 64 and 256 MiB through a 32 MiB last-level cache whose half is
         `cache_bytes`: 114, 49, 40 and 35 GB/s; the share gives 115, 59, 47 and 42.)"""
-        if not self.cache_bytes or not self.cache_bytes_per_s or working <= 0:
+        if not self.caches or working <= 0:
             return 0.0
         return min(1.0, self.cache_bytes / working)
 
     def moving_seconds(self, moved: float, share: float) -> float:
         """Seconds `moved` bytes take when `share` of them stay in the cache, the rest at the
         memory bandwidth."""
-        cached = share * moved if self.cache_bytes_per_s else 0.0
+        cached = share * moved if self.caches else 0.0
         return (moved - cached) / self.bytes_per_s + (cached / self.cache_bytes_per_s if cached else 0.0)
 
     def with_tf32(self) -> "DeviceProfile":
