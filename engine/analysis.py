@@ -169,6 +169,10 @@ class MemoryModel:
     reuse_key: Callable[[Value], Hashable | None] | None = None
     # Hand a freed buffer over only where holding it until then keeps the walk without reuse under
     # its own peak (Inductor's wrapper, AllocateLine.should_reuse_buffer); the next step always may.
+    # That walk counts no `transient` bytes: the runtime's own estimate does not see into a call's
+    # body (Inductor's, memory.estimate_peak_memory, counts an invoke_subgraph by its outputs), so
+    # it holds a freed buffer across a chunk's slices wherever their outputs leave room, and the
+    # body's peak then comes on top of it.
     reuse_keeps_peak: bool = False
     # The program a node belongs to, where a backend plans parts of the order apart (Inductor: the
     # forward graph and the backward graph): `reuse_keeps_peak` judges by the part's own peak.
@@ -261,7 +265,8 @@ def simulate_peak(graph: Graph, order: Sequence[Node] | None = None, alias_ops: 
         steps_run, step_of = _kernel_steps(order, model.kernel)
         plain = simulate_peak(graph, steps_run, alias_ops, replace(model, reuse_key=None, reuse_same_shape=False,
                                                                  reuse_keeps_peak=False, overwrites=None,
-                                                                 inplace_ops=frozenset(), kernel=None),
+                                                                 inplace_ops=frozenset(), kernel=None,
+                                                                 transient=None),
                               dim_examples)
         held = [plain.curve[k] for k in step_of]
         scopes = [model.scope(node) if model.scope is not None else None for node in order]

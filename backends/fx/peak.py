@@ -26,10 +26,11 @@ the program Inductor runs (`program`: kernels and buffers) and walks that with
   kernel), and runs each fused kernel after what it reads (`_schedule`), which moves a
   later kernel up to an earlier one; a cat writes each input into its slice as it comes;
 - memory: a generated kernel writes over a buffer it reads last, of its size, at its own index
-  (`Scheduler.decide_inplace_update`); a freed buffer goes to the next of the same dtype and
-  size in the same graph, held until then only where that keeps the graph's estimated peak
-  (`AllocateLine.should_reuse_buffer`); a chunk's `invoke_subgraph` call counts its body's peak
-  for one slice.
+  (`Scheduler.decide_inplace_update`), in the backward over a saved value only where AOTAutograd
+  donated it (`Step.donated`); a freed buffer goes to the next of the same dtype and size in
+  the same graph, held until then only where that keeps the graph's estimated peak
+  (`AllocateLine.should_reuse_buffer`), an estimate that counts a chunk call by its outputs; a
+  chunk's `invoke_subgraph` call counts its body's peak for one slice, on top of what is held.
 
 Found by comparing, allocation by allocation, Inductor's generated code (its `empty_strided`,
 `del` and `# reuse` lines give the live set exactly; they match the profiler's allocation
@@ -250,6 +251,13 @@ class Step:
     # reuses an input buffer of the same size; at a dynamic length the partitioner saves the
     # label shift's `logits[:, :-1]`, a row short of the gradient written from it)
     saved_views: set[str] = field(default_factory=set)
+    # Whether AOTAutograd donates the saved values to the backward (functorch's `donated_buffer`),
+    # so that a backward kernel may write over one it reads last. remat turns donation off for a
+    # graph with a two-phase chunk region (backends/fx/compile.py); then Inductor's backward
+    # writes only over its own buffers (Scheduler's in-place update reads donated inputs alone),
+    # and a gradient as large as a saved value is allocated beside it: the GPT-like step's loss
+    # gradient, 64 MiB beside the saved log-probabilities, at the backward's first kernel.
+    donated: bool = True
 
 
 def partition(joint: fx.Graph, owner: torch.nn.Module | None) -> tuple[fx.GraphModule, fx.GraphModule, int]:
@@ -326,14 +334,18 @@ def _remove_noop_ops(module: fx.GraphModule) -> None:
     module.graph.eliminate_dead_code()
 
 
-def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: int) -> Step:
+def step_graph(forward: fx.GraphModule, backward: fx.GraphModule, own_outputs: int,
+               donated: bool | None = None) -> Step:
     """One graph that runs `forward`, then `backward` reading the forward's saved values (the
     forward's outputs after its first `own_outputs`); its outputs are the forward's own and the
-    gradients."""
+    gradients. `donated`: whether the saved values are donated to the backward (Step.donated);
+    by default as torch is set now (right after the partitioner, the setting it compiles with)."""
+    import torch._functorch.config as functorch_config
+
     graph = fx.Graph()
     owner = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
-    step = Step(None)
+    step = Step(None, donated=bool(functorch_config.donated_buffer) if donated is None else donated)
     saved: dict[str, fx.Node] = {}
     outputs: list[fx.Node] = []
     for part, module in (("fw", forward), ("bw", backward)):
@@ -468,6 +480,12 @@ def program(step: Step, examples: dict[str, int]) -> tuple[Graph, dict[str, fx.N
                     kernel.overwrites = [v for v in _union(same_index(a, _numel(reads[n][0]), backward)
                                                            for a in n.all_input_nodes) if id(v) not in elsewhere]
             kernels.append(kernel)
+    if not step.donated:
+        # The backward writes over none of the forward's buffers (Step.donated).
+        forward_made = {id(v) for k in kernels if not k.backward for v in [*k.outputs, k.cat] if v is not None}
+        for kernel in kernels:
+            if kernel.backward:
+                kernel.overwrites = [v for v in kernel.overwrites if id(v) not in forward_made]
     nodes = []
     allocated: set[int] = set()
     for group in _schedule(kernels, examples):
@@ -889,11 +907,13 @@ def estimated_step_peak(joint: fx.Graph, owner: torch.nn.Module | None = None) -
     return estimated_step(joint, owner).peak_bytes or 0
 
 
-def estimated_step(joint: fx.Graph, owner: torch.nn.Module | None = None) -> PeakEstimate:
-    """estimated_step_peak's walk, with the bytes at every node of the step. The modules made on
-    the way (the partitioner's too) are lazy: their code is never run, and generating it was a
-    fifth of a 16-layer simulation."""
+def estimated_step(joint: fx.Graph, owner: torch.nn.Module | None = None, donated: bool | None = None
+                   ) -> PeakEstimate:
+    """estimated_step_peak's walk, with the bytes at every node of the step (`donated`: see
+    step_graph). The modules made on the way (the partitioner's too) are lazy: their code is
+    never run, and generating it was a fifth of a 16-layer simulation."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     with _use_lazy_graph_module(True):
-        return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module)))
+        return step_estimate(step_graph(*partition(joint, owner if owner is not None else joint.owning_module),
+                                        donated=donated))
