@@ -22,7 +22,8 @@ from engine.budget.device import PRESETS, DeviceProfile, preset
 
 def cache_file() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "remat" / f"cpu-profile-{platform.node() or 'host'}.json"
+    # v2: profiles cached before session 48 may have been measured on fake tensors (measure_cpu).
+    return base / "remat" / f"cpu-profile-v2-{platform.node() or 'host'}.json"
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -46,12 +47,18 @@ def measure_cpu() -> DeviceProfile:
     cache, cache_rate = _cache(np, bandwidth)
     try:
         import torch
-
-        x = torch.ones(16)
-        launch = _best(lambda: [torch.add(x, x) for _ in range(1000)]) / 1000
-        operand = _operand_rate(torch)
+        from torch.utils._python_dispatch import _disable_current_modes
     except ImportError:
         launch, operand = 20e-6, None
+    else:
+        # Measured on real tensors: the torch backend plans inside AOTAutograd, whose fake tensor
+        # mode would make these fake, each op a Python dispatch and each matmul computing nothing
+        # (a profile measured so, and cached, had a launch of 224 us and an operand rate 5-8x
+        # this machine's; its plans weighed every chunk slice at 22x its cost).
+        with _disable_current_modes():
+            x = torch.ones(16)
+            launch = _best(lambda: [torch.add(x, x) for _ in range(1000)]) / 1000
+            operand = _operand_rate(torch)
     # An eager op costs about a microsecond here, but a compiled kernel starts and joins a thread
     # pool and a chunk slice is a subgraph call: 10 us is the floor the planner assumes.
     return DeviceProfile("cpu", flops, bandwidth, max(launch, 10e-6), operand_bytes_per_s=operand,

@@ -218,3 +218,27 @@ def test_an_option_that_saves_time_is_taken_under_any_budget():
     assert solve(live, [slower, dearer], 1000) == []             # nothing to buy
     assert solve(live, [faster, slower, dearer], 1000) == [faster]
     assert solve(live, [faster, slower, dearer], 200) == [faster, dearer]
+
+
+def test_the_cpu_is_measured_on_real_tensors_inside_a_fake_tensor_mode(monkeypatch):
+    """The torch backend plans, and first measures the CPU, inside AOTAutograd, where a fake
+    tensor mode is on: measured there, each small op was a Python dispatch (a launch of 224 us,
+    cached) and each matmul computed nothing (an operand rate 5-8x this machine's)."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    import backends.device as device
+
+    seen = []
+
+    def operand_rate(torch_module):
+        seen.append(torch_module.ones(4))
+        return 7e9
+
+    monkeypatch.setattr(device, "_operand_rate", operand_rate)
+    with FakeTensorMode():
+        assert isinstance(torch.ones(4), FakeTensor)
+        profile = device.measure_cpu()
+    assert seen and not isinstance(seen[0], FakeTensor)
+    assert profile.operand_bytes_per_s == 7e9
+    assert profile.launch_s < 50e-6, profile.launch_s

@@ -161,17 +161,21 @@ class FxBuilder:
         run on the working copy, the joint graph's own walk in schedule order, views aliased."""
         from engine.analysis import simulate_peak
 
-        from .peak import estimated_step
-
         try:
-            # A two-phase region turns donated buffers off for this graph (compile_with_remat).
-            estimate = estimated_step(self.work.graph, self.work, donated=False if self.two_phase else None)
+            estimate = self.estimated()
         except Exception:
             if self.strict:
                 raise
             estimate = simulate_peak(graph, alias_ops=self.views)
         self.calls.observe(estimate)
         return estimate.peak_bytes or 0
+
+    def estimated(self):
+        """backends.fx.peak's walk of the working graph's step (a PeakEstimate). A two-phase
+        region turns donated buffers off for the graph (compile_with_remat)."""
+        from .peak import estimated_step
+
+        return estimated_step(self.work.graph, self.work, donated=False if self.two_phase else None)
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept): the graph that

@@ -74,7 +74,7 @@ def simulated_panels(joint: fx.GraphModule, rules: RuleSet, tiers: Iterable[str]
     before = MemoryCurve.from_estimate(estimated_step(joint.graph, joint), SIMULATED)
     builder = FxBuilder(joint.graph, rules.views, strict=True)
     rewrite(builder, rules, config, tuple(tiers), strict=True)
-    after = MemoryCurve.from_estimate(estimated_step(builder.work.graph, builder.work), SIMULATED)
+    after = MemoryCurve.from_estimate(builder.estimated(), SIMULATED)
     return [Panel("torch.compile(model)", [before.coloured(builder.replaced)]),
             Panel("torch.compile(model, backend=remat)", [after])]
 
