@@ -627,9 +627,9 @@ def uncached(profile: DeviceProfile) -> DeviceProfile:
     Session 47 left it out because the plans it led to on the GPT-like sweep (`bench/budget.py
     --torch`) ran over their budgets; that was the peak model's (backends/fx/peak.py: a buffer
     Inductor holds across a chunk's slices, a saved value the backward cannot write over), fixed
-    in session 48, after which the term's sweep kept every budget (at most 0.994 of it) but its
-    plan at `activation_memory_budget=0.1`'s peak, chunks where the plan without the term
-    recomputes, ran at 1.09x that configuration's step (1.419 s against 1.297)."""
+    in session 48, after which the term's sweep kept every budget (at most 0.994 of it); its step
+    times were planned with a CPU profile measured on fake tensors (backends/device.py,
+    measure_cpu), so the term's speed on Inductor is still unmeasured."""
     return replace(profile, cache_bytes=None, cache_bytes_per_s=None)
 
 
