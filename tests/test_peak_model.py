@@ -197,6 +197,7 @@ def test_reuse_that_must_keep_the_peak_does_not_see_a_calls_transient_bytes():
     assert est.peak_bytes == 2 * 4 * big + 4 * small + body
     assert est.peak_node is nodes[2]
 
+
 def _loop_graph(trip: int = 4, rows: int = 64, cols: int = 256) -> Graph:
     """h -> Loop over row slices: e = Exp(slice), a carried column sum of e and a scan output
     Neg(e); then a Reshape of the stacked slices."""

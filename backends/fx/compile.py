@@ -170,12 +170,18 @@ class FxBuilder:
         self.calls.observe(estimate)
         return estimate.peak_bytes or 0
 
+    @property
+    def donated(self) -> bool | None:
+        """Whether the working graph's saved values go to its backward donated: False where a
+        two-phase region was built (compile_with_remat says why the pass turns donation off
+        then), else as torch is set (None)."""
+        return False if self.two_phase else None
+
     def estimated(self):
-        """backends.fx.peak's walk of the working graph's step (a PeakEstimate). A two-phase
-        region turns donated buffers off for the graph (compile_with_remat)."""
+        """backends.fx.peak's walk of the working graph's step (a PeakEstimate)."""
         from .peak import estimated_step
 
-        return estimated_step(self.work.graph, self.work, donated=False if self.two_phase else None)
+        return estimated_step(self.work.graph, self.work, donated=self.donated)
 
     def commit(self) -> None:
         """Write the working copy back into the user's graph (placeholders kept): the graph that
@@ -576,7 +582,7 @@ class RematPass(CustomGraphPass):
         for message in done.not_built:
             self.chunk_failures.append(message)
             warnings.warn(f"{message.replace(': ', ' was not built: ', 1)}", stacklevel=2)
-        if builder.two_phase:
+        if builder.donated is False:
             # See compile_with_remat: read when AOTAutograd finishes partitioning this graph.
             import torch._functorch.config as functorch_config
 
